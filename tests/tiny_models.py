@@ -1,0 +1,52 @@
+"""Tiny random-weight targets for tests: small enough to run hundreds of generations on 2 CPU cores."""
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 128
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**_COMMON, use_sliding_window=False),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16, use_sliding_window=False),
+    "phi3": lambda: Phi3Config(**_COMMON, sliding_window=None),
+}
+ARCHS = list(CONFIGS)
+
+
+def make_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, **overrides):
+    """A tiny random `*ForCausalLM` of the given family, in eval mode, with sdpa attention."""
+    torch.manual_seed(seed)
+    config = CONFIGS[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    # Random init gives near-uniform next-token distributions; sharpen them so greedy decoding has structure.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model.eval()
+
+
+def random_prompt(generator: torch.Generator, low: int = 3, high: int = 24) -> torch.LongTensor:
+    length = int(torch.randint(low, high, (1,), generator=generator))
+    return torch.randint(3, VOCAB, (1, length), generator=generator)
