@@ -15,10 +15,12 @@ where g = gate(h_t) has four logits, (g0, g1) route the left head and (g2, g3) t
 whose right-gate logit is strictly larger (expert 1 on ties, as in the reference implementation).
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
@@ -194,6 +196,9 @@ class JakiroPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, JakiroDraftModel) and module.d2t is not None:
             module.d2t.copy_(torch.arange(module.d2t.numel(), device=module.d2t.device))
+        if isinstance(module, JakiroRotaryEmbedding):  # not in the checkpoint: from_pretrained leaves it uninitialised
+            with torch.device(module.inv_freq.device):
+                module.inv_freq.copy_(JakiroRotaryEmbedding(self.config).inv_freq)
 
 
 def causal_mask(query_len: int, past_len: int, dtype: torch.dtype, device, padding_mask=None) -> torch.Tensor:
@@ -220,11 +225,12 @@ class JakiroDraftModel(JakiroPreTrainedModel):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layer = JakiroDecoderLayer(config)
         self.rotary_emb = JakiroRotaryEmbedding(config)
-        self.lm_head = None
-        self.d2t = None
         if config.draft_vocab_size is not None:
             self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.lm_head = None
+            self.register_buffer("d2t", None)
         self._target_modules = None  # (embed_tokens, lm_head) of the bound target; a tuple so nn.Module ignores it
         self.last_generation_stats = None
         self.post_init()
@@ -331,6 +337,51 @@ class JakiroDraftModel(JakiroPreTrainedModel):
         cos, sin = self.rotary_emb(x, position_ids.to(device))
         left, right = self.layer(x, cos, sin, attention_mask.to(device), cache, features_to_keep)
         return JakiroDraftOutput(last_hidden_state=left, contrastive_hidden_state=right, cache=cache)
+
+    # -- saving and loading --------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, is_main_process: bool = True, *args, write_model_card=True, **kwargs):
+        """As in transformers, plus a model card (README.md) unless the directory has one or write_model_card=False."""
+        super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        readme = os.path.join(save_directory, "README.md")
+        if not (write_model_card and is_main_process and os.path.isdir(save_directory)) or os.path.exists(readme):
+            return
+        try:  # the card builder lives in the package; this file also runs as remote code without it
+            from transformers_jakiro.hub import build_model_card
+        except ImportError:
+            return
+        build_model_card(self).save(readme)
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """As in transformers, but a repo without a card gets the Jakiro model card: the stock push writes a generic
+        card over the one save_pretrained wrote. Also takes `training_summary` / `metrics` for the card."""
+        try:
+            from transformers_jakiro.hub import push_to_hub
+        except ImportError:
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_to_hub(self, repo_id, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """As in transformers, but safetensors only: loading a pickle (`.bin`) checkpoint can run arbitrary code."""
+        local = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        files = sorted(os.listdir(local)) if os.path.isdir(local) else []
+        pickles = [name for name in files if name.endswith((".bin", ".pt", ".pth"))]
+        if pickles and not any(name.endswith(".safetensors") for name in files):
+            raise ValueError(
+                f"{local} holds only pickle weights ({', '.join(pickles)}): pickle checkpoints are refused for "
+                "safety, since loading one can run arbitrary code. Convert an original Jakiro/EAGLE checkpoint with "
+                "`jakiro convert <dir> --out <new dir>`, or re-save the draft as safetensors with save_pretrained."
+            )
+        kwargs["use_safetensors"] = True
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        except SafetensorError as error:  # safetensors names neither the file nor a fix
+            where = ", ".join(os.path.join(local, name) for name in files if name.endswith(".safetensors"))
+            raise ValueError(
+                f"{where or f'The safetensors weights of {pretrained_model_name_or_path}'} is corrupt or truncated "
+                f"({error}). Re-download it (from_pretrained(..., force_download=True)) or re-save it with "
+                "save_pretrained."
+            ) from error
 
 
 __all__ = ["JakiroDraftModel", "JakiroPreTrainedModel", "JakiroDraftOutput"]
