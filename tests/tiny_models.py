@@ -50,3 +50,39 @@ def make_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, **overr
 def random_prompt(generator: torch.Generator, low: int = 3, high: int = 24) -> torch.LongTensor:
     length = int(torch.randint(low, high, (1,), generator=generator))
     return torch.randint(3, VOCAB, (1, length), generator=generator)
+
+
+def quick_trained_draft(target, steps: int = 200, batch: int = 16, length: int = 48, seed: int = 0, **overrides):
+    """A draft head fitted in a few seconds to the tiny target's own continuations, so that trees get accepted
+    several tokens deep and the multi-token paths of the decoding loop are exercised (a random head accepts ~0)."""
+    from transformers_jakiro import JakiroDraftModel
+
+    torch.manual_seed(seed)
+    draft = JakiroDraftModel.from_target(target, **overrides)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        prompts = torch.randint(3, VOCAB, (batch * 4, 4), generator=g)
+        sequences = torch.cat(
+            [
+                target.generate(prompts[: batch * 2], do_sample=False, max_new_tokens=length, min_new_tokens=length),
+                target.generate(
+                    prompts[batch * 2 :], do_sample=True, temperature=0.8, max_new_tokens=length, min_new_tokens=length
+                ),
+            ]
+        )
+        out = target(sequences, output_hidden_states=True)
+        features, teacher = out.hidden_states[-1], out.logits.float().softmax(-1)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    draft.train()
+    for step in range(steps):
+        rows = torch.randint(0, sequences.shape[0], (batch,), generator=g)
+        pred = draft(input_ids=sequences[rows, 1:], hidden_states=features[rows, :-1])
+        left = draft.compute_logits(pred.last_hidden_state[:, :-1]).log_softmax(-1)
+        loss = -(teacher[rows, 1:-1] * left).sum(-1).mean()
+        if pred.contrastive_hidden_state is not None:
+            right = draft.compute_logits(pred.contrastive_hidden_state[:, :-2]).log_softmax(-1)
+            loss = loss - 0.5 * (teacher[rows, 2:-1] * right).sum(-1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return draft.eval()

@@ -8,6 +8,7 @@ Importing the package registers model_type "jakiro" with AutoConfig/AutoModel an
 from transformers import AutoConfig, AutoModel
 
 from .configuration_jakiro import JakiroConfig
+from .generation import JakiroCandidateGenerator, JakiroGenerationStats, install_generate_hook, jakiro_generate, tree_settings
 from .modeling_jakiro import JakiroDraftModel, JakiroDraftOutput
 
 __version__ = "0.1.0"
@@ -18,5 +19,15 @@ AutoModel.register(JakiroConfig, JakiroDraftModel, exist_ok=True)
 # AutoModel.from_pretrained(dir, trust_remote_code=True) works without this package.
 JakiroConfig.register_for_auto_class()
 JakiroDraftModel.register_for_auto_class("AutoModel")
+install_generate_hook()
 
-__all__ = ["JakiroConfig", "JakiroDraftModel", "JakiroDraftOutput", "__version__"]
+__all__ = [
+    "JakiroCandidateGenerator",
+    "JakiroConfig",
+    "JakiroDraftModel",
+    "JakiroDraftOutput",
+    "JakiroGenerationStats",
+    "jakiro_generate",
+    "tree_settings",
+    "__version__",
+]

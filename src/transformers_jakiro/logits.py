@@ -1,0 +1,87 @@
+"""Logits processing per tree node.
+
+`generate` hands the decoding loop a `LogitsProcessorList` (temperature, top-k/p, repetition penalty, min new
+tokens, ...). Plain decoding applies it to one row whose prefix is the sequence so far. In a tree every node has
+its own prefix: the accepted ids followed by the tokens on the path from the root to that node. Nodes of equal depth
+have prefixes of equal length, so each depth is processed as one batch whose rows are those prefixes.
+
+Only processors whose output for a row depends on nothing but that row's ids and scores can run this way. Those
+from transformers that are known to be row-wise are allowed; anything else (batch-index-dependent constraints,
+classifier-free guidance, watermarking, stateful processors) is refused with an error, unless its class sets
+`jakiro_per_node_safe = True` to declare that it is row-wise.
+"""
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation import logits_process as lp
+
+from .tree import DraftTree
+
+_ROW_WISE_NAMES = (
+    "MinLengthLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor",
+    "TemperatureLogitsWarper",
+    "RepetitionPenaltyLogitsProcessor",
+    "TopPLogitsWarper",
+    "TopKLogitsWarper",
+    "TopHLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
+    "NoRepeatNGramLogitsProcessor",
+    "SequenceBiasLogitsProcessor",
+    "NoBadWordsLogitsProcessor",
+    "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor",
+    "InfNanRemoveLogitsProcessor",
+    "ExponentialDecayLengthPenalty",
+    "LogitNormalization",
+    "SuppressTokensAtBeginLogitsProcessor",
+    "SuppressTokensLogitsProcessor",
+)
+ROW_WISE_PROCESSORS = tuple(getattr(lp, name) for name in _ROW_WISE_NAMES if hasattr(lp, name))
+
+
+def check_processors(processors: LogitsProcessorList) -> None:
+    """Raise if any processor cannot be applied per tree node."""
+    for processor in processors:
+        if type(processor) in ROW_WISE_PROCESSORS or getattr(processor, "jakiro_per_node_safe", False):
+            continue
+        raise ValueError(
+            f"{type(processor).__name__} cannot be applied per tree node by Jakiro decoding: its result may depend "
+            "on more than the row's own prefix and scores (batch index, other rows, internal state). Remove it, "
+            "decode without assistant_model, or, if it is row-wise, set `jakiro_per_node_safe = True` on its class."
+        )
+
+
+def path_tokens(tree: DraftTree) -> torch.LongTensor:
+    """[n, max_depth + 1]: row i holds the tokens from the root to node i (entries past its depth are padding)."""
+    width = int(tree.depths.max()) + 1
+    out = tree.tokens.new_zeros(tree.num_nodes, width)
+    depth_of_each = tree.depths[None, :].expand(tree.num_nodes, -1)
+    rows, cols = torch.nonzero(tree.ancestors, as_tuple=True)
+    out[rows, depth_of_each[rows, cols]] = tree.tokens[cols]
+    return out
+
+
+def process_tree_logits(
+    processors: LogitsProcessorList, input_ids: torch.LongTensor, tree: DraftTree, logits: torch.Tensor
+) -> torch.Tensor:
+    """Apply `processors` to every node's logits ([n, vocab], float32) with that node's own prefix.
+
+    `input_ids` [1, L] ends with the root token, which is already part of the sequence.
+    """
+    if len(processors) == 0:
+        return logits
+    tokens = path_tokens(tree)
+    depths = tree.depths.tolist()
+    out = torch.empty_like(logits)
+    for depth in sorted(set(depths)):
+        rows = torch.nonzero(tree.depths == depth).flatten()
+        prefix = torch.cat([input_ids.expand(rows.numel(), -1), tokens[rows, 1 : depth + 1]], dim=1)
+        out[rows] = processors(prefix, logits[rows])
+    return out
+
+
+__all__ = ["ROW_WISE_PROCESSORS", "check_processors", "path_tokens", "process_tree_logits"]

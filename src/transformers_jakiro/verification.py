@@ -1,0 +1,46 @@
+"""Acceptance rules: which draft tokens the target keeps after one verification forward.
+
+Greedy and sampling share one rule. At every tree node the target picks its own next token from that node's
+(processed) distribution: the argmax when greedy, a sample when sampling. Walking down from the root, the walk moves
+to the child whose token equals the target's pick; when no child matches, the pick itself is the bonus token and
+the round ends.
+
+Why this is lossless when sampling: with deterministic (top-k) drafts the draft's proposal is a point mass, and the
+textbook multi-candidate rule "try each distinct child x in turn, accept it with probability p(x) under the residual
+distribution, else zero it out and renormalise; if all are rejected, sample from the residual" selects child x with
+probability exactly p(x) and stops with a fresh token y with probability p(y) restricted to non-children. Drawing
+y ~ p once and descending if y is a child is the same distribution, and every emitted token is a sample from the
+target's own distribution given its prefix. Picks at nodes off the realised path are never used, so drawing them
+all at once in one batched `multinomial` changes nothing.
+"""
+
+import torch
+
+from .tree import DraftTree
+
+
+def target_choices(processed_logits: torch.Tensor, do_sample: bool) -> torch.LongTensor:
+    """[n] the target's pick at every node: argmax, or one sample from softmax(processed logits)."""
+    if not do_sample:
+        return processed_logits.argmax(dim=-1)
+    probs = torch.softmax(processed_logits.float(), dim=-1)
+    return torch.multinomial(probs, num_samples=1).squeeze(-1)
+
+
+def accept(tree: DraftTree, choices: torch.LongTensor) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """The accepted path and the bonus token.
+
+    Returns (path, bonus): `path` holds the node indices from the root to the deepest node whose every ancestor's
+    token equals the target's choice at its parent (root included, so path[0] == 0); `bonus` is the target's choice
+    at the last node of the path. Among the children of one node tokens are distinct, so at most one child matches
+    and the accepted nodes form a single chain. No host sync happens here.
+    """
+    matches = torch.ones_like(tree.tokens, dtype=torch.bool)
+    matches[1:] = tree.tokens[1:] == choices[tree.parents[1:]]
+    accepted = ~(tree.ancestors & ~matches[None, :]).any(dim=1)  # every node on the way down matched
+    deepest = torch.argmax(torch.where(accepted, tree.depths, -1))
+    path = torch.nonzero(tree.ancestors[deepest]).flatten()
+    return path, choices[deepest]
+
+
+__all__ = ["accept", "target_choices"]
