@@ -52,7 +52,9 @@ def random_prompt(generator: torch.Generator, low: int = 3, high: int = 24) -> t
     return torch.randint(3, VOCAB, (1, length), generator=generator)
 
 
-def quick_trained_draft(target, steps: int = 200, batch: int = 16, length: int = 48, seed: int = 0, **overrides):
+def quick_trained_draft(
+    target, steps: int = 200, batch: int = 16, length: int = 48, seed: int = 0, vocab: int = VOCAB, **overrides
+):
     """A draft head fitted in a few seconds to the tiny target's own continuations, so that trees get accepted
     several tokens deep and the multi-token paths of the decoding loop are exercised (a random head accepts ~0)."""
     from transformers_jakiro import JakiroDraftModel
@@ -61,7 +63,7 @@ def quick_trained_draft(target, steps: int = 200, batch: int = 16, length: int =
     draft = JakiroDraftModel.from_target(target, **overrides)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        prompts = torch.randint(3, VOCAB, (batch * 4, 4), generator=g)
+        prompts = torch.randint(3, vocab, (batch * 4, 4), generator=g)
         sequences = torch.cat(
             [
                 target.generate(prompts[: batch * 2], do_sample=False, max_new_tokens=length, min_new_tokens=length),
@@ -86,3 +88,19 @@ def quick_trained_draft(target, steps: int = 200, batch: int = 16, length: int =
         loss.backward()
         optimizer.step()
     return draft.eval()
+
+
+def make_tokenizer():
+    """A character-level tokenizer over the tiny vocabulary (ids 0-2: pad, bos, eos; ids 3.. one character each),
+    so that stop strings and decoding behave like a real tokenizer's."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = string.ascii_letters + string.digits + string.punctuation + "àáâãäåæçèéêëìíîïðñòóôõöøùúûüýþÿ"
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars[: VOCAB - 3])}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

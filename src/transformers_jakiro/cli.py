@@ -8,6 +8,8 @@ import sys
 # Modules that contribute a subcommand, in the order `jakiro --help` lists them.
 SUBCOMMAND_MODULES = [
     "transformers_jakiro.convert",
+    "transformers_jakiro.distill",
+    "transformers_jakiro.train",
 ]
 
 

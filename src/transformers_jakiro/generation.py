@@ -228,19 +228,20 @@ def jakiro_decode(
     keep_logits = want_dict and generation_config.output_logits
     scores, raw_logits = ([] if keep_scores else None), ([] if keep_logits else None)
 
-    # Left padding in a batch of one: drop the padded positions (plain generate gives them no attention and
-    # continues positions after them, which is what decoding the unpadded prompt computes) and restore them at
-    # the end.
-    sequence = input_ids
+    # Left padding in a batch of one: the models never see the padded positions (plain generate gives them no
+    # attention and continues positions after them, which is what decoding the unpadded prompt computes), but the
+    # logits processors and stopping criteria see the full row, exactly as in plain generate.
     attention_mask = model_kwargs.get("attention_mask")
+    padding = 0
     if attention_mask is not None and not bool(attention_mask.all()):
-        sequence = input_ids[:, attention_mask[0].bool()]
-    padding = input_ids[:, : input_ids.shape[1] - sequence.shape[1]]
+        padding = int((attention_mask[0].cumsum(0) == 0).sum())
+        if not bool(attention_mask[0, padding:].all()):
+            raise ValueError("Jakiro decoding supports left padding only (zeros before the first real token).")
 
     stats = JakiroGenerationStats()
     started = time.perf_counter()
     target_device = target.get_input_embeddings().weight.device
-    sequence = sequence.to(target_device)
+    sequence = input_ids.to(target_device)
     cache = new_target_cache(target.config)
     cache_kwarg = _cache_kwarg(target)
     candidates = JakiroCandidateGenerator(draft, settings)
@@ -265,7 +266,11 @@ def jakiro_decode(
     # Prefill: the prompt through the target, the first token from its last position.
     tic = time.perf_counter()
     out = target(
-        input_ids=sequence, use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_kwarg: cache}
+        input_ids=sequence[:, padding:],
+        use_cache=True,
+        output_hidden_states=True,
+        logits_to_keep=1,
+        **{cache_kwarg: cache},
     )
     raw = out.logits[:, -1].float()
     processed = logits_processor(sequence, raw.clone())
@@ -276,7 +281,7 @@ def jakiro_decode(
 
     while not finished:
         tic = time.perf_counter()
-        tree = candidates.get_candidates(sequence).to_device(target_device)
+        tree = candidates.get_candidates(sequence[:, padding:]).to_device(target_device)
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
@@ -291,25 +296,23 @@ def jakiro_decode(
         )
         raw = out.logits[0].float()
         processed = process_tree_logits(logits_processor, sequence, tree, raw)
-        choices = verification.target_choices(processed, do_sample)
-        path, bonus = verification.accept(tree, choices)
+        path, bonus = verification.verify(tree, processed, do_sample)
         keep_accepted(cache, past, path)
         candidates.set_features(out.hidden_states[-1][0, path])
         new_tokens = torch.cat([tree.tokens[path[1:]], bonus[None]]).tolist()  # the one host sync of the round
         stats.verify_time_s += time.perf_counter() - tic
         finished = emit(new_tokens, processed[path], raw[path])
 
-    truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions behind
+    truncate(cache, sequence.shape[1] - padding - 1)  # a stop inside an accepted path leaves extra positions
     if streamer is not None:
         streamer.end()
     stats.total_time_s = time.perf_counter() - started
     draft.last_generation_stats = stats
 
-    sequences = torch.cat([padding.to(sequence.device), sequence], dim=1)
     if not want_dict:
-        return sequences
+        return sequence
     output = GenerateDecoderOnlyOutput(
-        sequences=sequences,
+        sequences=sequence,
         scores=tuple(scores) if keep_scores else None,
         logits=tuple(raw_logits) if keep_logits else None,
     )

@@ -43,4 +43,9 @@ def accept(tree: DraftTree, choices: torch.LongTensor) -> tuple[torch.LongTensor
     return path, choices[deepest]
 
 
-__all__ = ["accept", "target_choices"]
+def verify(tree: DraftTree, processed_logits: torch.Tensor, do_sample: bool) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """One round's verdict from the target's processed logits at every node: (accepted path, bonus token)."""
+    return accept(tree, target_choices(processed_logits, do_sample))
+
+
+__all__ = ["accept", "target_choices", "verify"]

@@ -1,0 +1,674 @@
+"""Train a Jakiro draft head for a target model, in one command:
+
+    jakiro train --target smollm2-135m-instruct --data data.jsonl --out heads/my-head
+    accelerate launch -m transformers_jakiro.train --target ... --data ... --out ...     # several GPUs, same code
+
+The pieces, TRL style: `JakiroTrainingConfig` (a `TrainingArguments` with the Jakiro loss weights and data options),
+`JakiroTrainer` (a thin `Trainer`: the draft is the trained model; the frozen target runs *online* inside
+`compute_loss` to give the input features and teacher distributions, nothing is dumped to disk), the ShareGPT data
+pipeline (`read_conversations`, `build_examples`, `JakiroCollator`), the reduced draft vocabulary
+(`select_draft_vocab`), and `train_head`, which runs everything, measures tau and writes the head with a model card.
+
+Alignment (JAKIRO.md section 1): draft position t reads (f_t, x_{t+1}). The left head is trained towards f_{t+1} and
+the target's next-token distribution at t+1; the contrastive (right) head towards f_{t+2} and the distribution at
+t+2. A position counts only if the token its teacher distribution predicts is an assistant token.
+
+Reduced vocabulary: the draft's lm_head covers the N most frequent assistant tokens of the training data (plus EOS).
+Its cross-entropy target is the target's distribution *restricted to those N ids and renormalised*: the draft can
+only ever propose those ids, and the renormalised distribution is the best it can match (an unrenormalised slice
+would ask the draft to put probability mass it does not have on tokens outside its vocabulary).
+"""
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .distill import _render, load_target_or_explain, read_jsonl, read_prompts
+from .modeling_jakiro import JakiroDraftModel
+
+
+def _tensorboard_available() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class JakiroTrainingConfig(TrainingArguments):
+    """`TrainingArguments` with the Jakiro recipe as defaults (AdamW lr 9e-5, wd 1e-3, betas (0.9, 0.95), cosine
+    schedule, batch 4 per device, 20 epochs, gradient *value* clipping at 0.5) plus the loss and data options."""
+
+    left_feature_weight: float = field(default=1.0, metadata={"help": "SmoothL1 of the left head vs f_{t+1}"})
+    left_ce_weight: float = field(default=0.1, metadata={"help": "soft CE of the left head vs p_target(t+1)"})
+    right_feature_weight: float = field(default=0.5, metadata={"help": "SmoothL1 of the right head vs f_{t+2}"})
+    right_ce_weight: float = field(default=0.05, metadata={"help": "soft CE of the right head vs p_target(t+2)"})
+    feature_noise: float = field(
+        default=0.2,
+        metadata={"help": "uniform noise (U - 0.5) * feature_noise * 512 / seq_len on the input features; 0 = off"},
+    )
+    max_length: int = field(default=2048, metadata={"help": "conversations are truncated to this many tokens"})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": "reduced draft vocabulary; None = full"})
+    max_grad_value: float | None = field(default=0.5, metadata={"help": "clip each gradient value to +-this"})
+    # Recipe values for inherited fields.
+    learning_rate: float = 9e-5
+    weight_decay: float = 1e-3
+    adam_beta2: float = 0.95
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: float = 0.05  # the recipe's 2000 steps assume 68k conversations x 20 epochs; a ratio scales
+    max_grad_norm: float = 0.0  # the recipe clips values (max_grad_value), not the norm
+    num_train_epochs: float = 20
+    per_device_train_batch_size: int = 4
+    logging_steps: float = 10
+    save_steps: float = 500
+    remove_unused_columns: bool = False  # loss_mask is not a forward argument of the draft, keep it
+    # The loss applies the draft's lm_head outside its forward (to both heads): with unused-parameter detection DDP
+    # would mark lm_head ready at the end of forward and again in backward, and fail. Every parameter gets a gradient.
+    ddp_find_unused_parameters: bool | None = False
+    report_to: str | list[str] | None = "tensorboard" if _tensorboard_available() else "none"
+
+
+# -- data -----------------------------------------------------------------------------------------------------------
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+}
+
+
+def _messages(record) -> list[dict]:
+    """ShareGPT (`conversations`: from/value) or OpenAI (`messages`: role/content) record -> chat messages."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("no `conversations` (or `messages`) list")
+    messages = []
+    for turn in turns:
+        role = _ROLES.get(str(turn.get("from", turn.get("role"))).lower())
+        content = turn.get("value", turn.get("content"))
+        if role is None or not isinstance(content, str):
+            raise ValueError(f"a turn has an unknown role or no text: {json.dumps(turn)[:80]}")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("no assistant (gpt) turn")
+    return messages
+
+
+def read_conversations(path) -> tuple[list[list[dict]], list[tuple[int, str]]]:
+    """([messages] of the good lines, [(line number, reason)] of the bad ones)."""
+    good, bad = read_jsonl(path, _messages)
+    return [messages for _, messages in good], bad
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> dict:
+    """`input_ids` of the chat-templated conversation and `loss_mask` (1 on assistant tokens).
+
+    Each assistant turn's span is found in *characters*: it starts where the rendered history with a generation
+    prompt ends and stops where the history including that turn ends (so the end-of-turn token is learned too).
+    Tokens are then marked through the tokenizer's offsets, which is robust to merges at span borders.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, cursor = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if text.startswith(before) and text.startswith(upto):
+            spans.append((len(before), len(upto)))
+        else:  # a template that rewrites history (e.g. strips reasoning): find the turn's text itself
+            start = text.find(message["content"], cursor)
+            if start < 0:
+                raise ValueError(f"assistant turn {i} is not in the rendered conversation")
+            spans.append((start, start + len(message["content"])))
+        cursor = spans[-1][1]
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError as error:
+        raise ValueError(
+            "the tokenizer must be a fast tokenizer (offsets are used to find assistant tokens)"
+        ) from error
+    mask = [int(any(s <= begin < e for s, e in spans)) for begin, _ in encoded["offset_mapping"]]
+    return {"input_ids": list(encoded["input_ids"]), "loss_mask": mask}
+
+
+def build_examples(conversations, tokenizer, max_length: int) -> tuple[list[dict], dict]:
+    """Tokenised examples truncated to `max_length`, and counts of what was skipped. Raises ValueError when nothing
+    is left to train on."""
+    examples, no_assistant, too_long = [], 0, 0
+    unrenderable = []
+    for messages in conversations:
+        try:
+            example = tokenize_conversation(tokenizer, messages)
+        except Exception as error:  # noqa: BLE001 -- one odd conversation (template error) must not end a run
+            unrenderable.append(str(error))
+            continue
+        if not any(example["loss_mask"]):
+            no_assistant += 1
+            continue
+        example = {key: value[:max_length] for key, value in example.items()}
+        if not any(example["loss_mask"][2:]):  # the first trained prediction is that of token 2
+            too_long += 1
+            continue
+        examples.append(example)
+    if unrenderable:
+        print(
+            f"skipped {len(unrenderable)} conversations the chat template could not render (first: {unrenderable[0]})"
+        )
+    if not examples and not too_long:
+        raise ValueError(
+            f"no assistant tokens in the training data ({len(conversations)} conversations, {no_assistant} without "
+            "assistant tokens after chat templating: empty assistant turns, or a chat template that drops them). "
+            "Generate responses with `jakiro distill` or check the data file."
+        )
+    if not examples:
+        raise ValueError(
+            f"all {too_long} conversations have prompts longer than max_length={max_length} tokens; raise "
+            "--max-length or shorten the prompts."
+        )
+    stats = dict(
+        conversations=len(examples),
+        skipped_no_assistant=no_assistant,
+        skipped_prompt_too_long=too_long,
+        skipped_unrenderable=len(unrenderable),
+        tokens=sum(len(e["input_ids"]) for e in examples),
+        assistant_tokens=sum(sum(e["loss_mask"]) for e in examples),
+    )
+    return examples, stats
+
+
+@dataclass
+class JakiroCollator:
+    """Right-pads a batch: `input_ids`, `attention_mask` (1 = real token), `loss_mask` (1 = assistant token)."""
+
+    pad_token_id: int = 0
+
+    def __call__(self, examples: list[dict]) -> dict:
+        length = max(len(e["input_ids"]) for e in examples)
+
+        def pad(key, value):
+            return torch.tensor([e[key] + [value] * (length - len(e[key])) for e in examples])
+
+        attention = torch.tensor([[1] * len(e["input_ids"]) + [0] * (length - len(e["input_ids"])) for e in examples])
+        return {
+            "input_ids": pad("input_ids", self.pad_token_id),
+            "attention_mask": attention,
+            "loss_mask": pad("loss_mask", 0),
+        }
+
+
+def select_draft_vocab(examples, size: int, vocab_size: int, always=()) -> torch.LongTensor:
+    """The `size` most frequent assistant tokens (ties: lower id first) plus the `always` ids (EOS), sorted.
+    Fewer when the data holds fewer distinct tokens: a draft logit for a token never seen in training is useless."""
+    tokens = torch.tensor([t for e in examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m])
+    counts = torch.bincount(tokens, minlength=vocab_size).double()
+    always = [t for t in always if t is not None and 0 <= t < vocab_size]
+    counts[always] = float("inf")
+    order = torch.argsort(-counts, stable=True)
+    keep = order[: min(size, int((counts > 0).sum()))]
+    return keep.sort().values
+
+
+def _eos_ids(target, tokenizer) -> list[int]:
+    ids = [tokenizer.eos_token_id, target.config.eos_token_id, getattr(target.generation_config, "eos_token_id", None)]
+    flat = []
+    for value in ids:
+        flat.extend(value if isinstance(value, (list, tuple)) else [value])
+    return sorted({i for i in flat if i is not None})
+
+
+# -- trainer ----------------------------------------------------------------------------------------------------------
+class _ClipGradValue(TrainerCallback):
+    """The recipe clips gradient values (torch.nn.utils.clip_grad_value_); Trainer only clips the norm."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        torch.nn.utils.clip_grad_value_(model.parameters(), self.value)
+
+
+class JakiroTrainer(Trainer):
+    """`Trainer` whose model is the draft head; `target` is frozen and run online in `compute_loss`."""
+
+    def __init__(self, model: JakiroDraftModel, target, args: JakiroTrainingConfig, data_collator=None, **kwargs):
+        if data_collator is None:
+            data_collator = JakiroCollator(target.config.pad_token_id or 0)
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        deepspeed = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_fsdp_enabled or (deepspeed is not None and deepspeed.zero_stage == 3):
+            raise ValueError(
+                "FSDP and DeepSpeed ZeRO-3 are not supported: they shard the draft's lm_head, which the loss applies "
+                "outside the draft's forward. Use DDP (`accelerate launch --multi_gpu`) or DeepSpeed ZeRO-1/2; the "
+                "draft is one layer, sharding it saves little."
+            )
+        # The target is not the Trainer's model: it is never wrapped (DDP/FSDP/DeepSpeed), never in the optimizer,
+        # and sits whole on this process's device (unless it was dispatched with a device_map).
+        self.target = target.eval().requires_grad_(False)
+        if getattr(target, "hf_device_map", None) is None:
+            self.target.to(self.args.device)
+        self.accelerator.unwrap_model(self.model).bind_target(self.target)
+        # The draft's forward takes **kwargs, which makes Trainer believe it scales the loss for gradient
+        # accumulation itself; it does not.
+        self.model_accepts_loss_kwargs = False
+        if args.max_grad_value:
+            self.add_callback(_ClipGradValue(args.max_grad_value))
+        self._metrics = defaultdict(list)
+        self.tokens_seen = 0  # real (unpadded) tokens through the target and the draft in training, this process
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args, draft = self.args, self.accelerator.unwrap_model(model)
+        ids, loss_mask = inputs["input_ids"], inputs["loss_mask"].bool()
+        target_device = self.target.get_input_embeddings().weight.device
+        with torch.no_grad():
+            out = self.target(
+                input_ids=ids.to(target_device),
+                attention_mask=inputs["attention_mask"].to(target_device),
+                output_hidden_states=True,
+                logits_to_keep=1,  # teacher logits are computed below, only where a loss is taken
+                use_cache=False,
+            )
+            features = out.hidden_states[-1]  # post-norm: the vector the target's lm_head reads
+        if model.training:
+            self.tokens_seen += int(inputs["attention_mask"].sum())
+        hidden = features[:, :-1].to(ids.device)
+        if model.training and args.feature_noise > 0:
+            hidden = hidden + (torch.rand_like(hidden) - 0.5) * (args.feature_noise * 512 / hidden.shape[1])
+        # Right padding: causal attention alone keeps real positions away from the padding after them.
+        pred = model(input_ids=ids[:, 1:], hidden_states=hidden)
+
+        length, loss = ids.shape[1], 0.0
+        heads = (
+            ("left", pred.last_hidden_state, 1, args.left_feature_weight, args.left_ce_weight),
+            ("right", pred.contrastive_hidden_state, 2, args.right_feature_weight, args.right_ce_weight),
+        )
+        for name, head, shift, feature_weight, ce_weight in heads:
+            if head is None or not (feature_weight or ce_weight):
+                continue
+            # Draft position t (t = 0 .. length-2-shift) predicts f_{t+shift}, whose distribution predicts token
+            # x_{t+shift+1}: the position counts if that token is an assistant token.
+            valid = loss_mask[:, shift + 1 :]
+            if not valid.any():
+                # Keep every parameter (lm_head too) in the graph: DDP expects a gradient for each on every rank.
+                loss = loss + 0.0 * draft.compute_logits(head[:, :1]).sum()
+                continue
+            predicted = head[:, : length - 1 - shift][valid].float()
+            wanted = features[:, shift : length - 1][valid.to(target_device)]
+            with torch.no_grad():
+                teacher = self.target.get_output_embeddings()(wanted).float().to(predicted.device)
+                target_token = teacher.argmax(-1)
+                if draft.d2t is not None:  # reduced vocabulary: restrict and renormalise (see the module docstring)
+                    teacher = teacher[:, draft.d2t]
+                teacher = teacher.softmax(-1)
+            smooth_l1 = F.smooth_l1_loss(predicted, wanted.float().to(predicted.device))
+            logits = draft.compute_logits(predicted)
+            ce = -(teacher * logits.float().log_softmax(-1)).sum(-1).mean()
+            loss = loss + feature_weight * smooth_l1 + ce_weight * ce
+            if model.training:
+                accuracy = (draft.draft_to_target_ids(logits.argmax(-1)) == target_token).float().mean()
+                for key, value in (("l1", smooth_l1), ("ce", ce), ("acc", accuracy)):
+                    self._metrics[f"{name}_{key}"].append(value.detach())
+        return (loss, pred) if return_outputs else loss
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """Adds per-head losses and top-1 accuracies (vs the target's own next token), averaged since the last log
+        and over processes, to the training logs (console and TensorBoard)."""
+        if self._metrics and "loss" in logs:
+            names = sorted(self._metrics)
+            local = torch.stack([torch.stack(self._metrics[n]).mean() for n in names])
+            averaged = self.accelerator.gather(local[None]).mean(0)
+            logs.update({n: round(v, 4) for n, v in zip(names, averaged.tolist())})
+            self._metrics.clear()
+        super().log(logs, *args, **kwargs)
+
+
+# -- evaluation -------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_tau(target, tokenizer, draft, prompts: list[tuple[str, str]], max_new_tokens: int = 64) -> dict:
+    """Acceptance length tau by real tree decoding (greedy): overall (new tokens / target forwards) and per prompt."""
+    device = target.get_input_embeddings().weight.device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = []
+    for pid, text in prompts:
+        inputs = tokenizer(_render(tokenizer, text), return_tensors="pt", add_special_tokens=False).to(device)
+        target.generate(
+            **inputs, assistant_model=draft, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id
+        )
+        stats = draft.last_generation_stats
+        rows.append(
+            dict(id=pid, tau=round(stats.mean_accepted_length, 3), new_tokens=stats.new_tokens, rounds=stats.rounds)
+        )
+    rounds = sum(r["rounds"] for r in rows)
+    return {"tau": sum(r["new_tokens"] for r in rows) / rounds if rounds else 0.0, "per_prompt": rows}
+
+
+# -- the whole run ----------------------------------------------------------------------------------------------------
+_IDENTITY = (
+    "target_name_or_path",
+    "target_model_type",
+    "hidden_size",
+    "vocab_size",
+    "draft_vocab_size",
+    "num_experts",
+    "contrastive_head",
+)
+
+
+def check_output_dir(out: Path, config, overwrite: bool, main_process: bool = True) -> None:
+    """Refuse to train into a directory that holds a different head (another target or shape), unless `overwrite`;
+    with `overwrite`, the other head's checkpoints are deleted so that a later --resume cannot pick them up."""
+    for path in [out / "config.json", *sorted(out.glob("checkpoint-*/config.json"))]:
+        if not path.is_file():
+            continue
+        existing = json.loads(path.read_text())
+        if existing.get("model_type") != "jakiro":
+            differences = [f"it holds a {existing.get('model_type')!r} model, not a Jakiro head"]
+        else:
+            new = config.to_dict()
+            differences = [
+                f"{k}: {existing.get(k)!r} there, {new.get(k)!r} now"
+                for k in _IDENTITY
+                if existing.get(k) != new.get(k)
+            ]
+        if not differences:
+            continue
+        if not overwrite:
+            raise ValueError(
+                f"{out} already holds a different head ({'; '.join(differences)}; in {path}). Choose another --out, "
+                "or pass --overwrite to replace it."
+            )
+        for checkpoint in out.glob("checkpoint-*") if main_process else ():
+            shutil.rmtree(checkpoint)
+        print(f"--overwrite: replacing the head in {out} (its checkpoints were deleted)")
+        return
+
+
+def train_head(
+    target,
+    tokenizer,
+    data_path,
+    config: JakiroTrainingConfig,
+    *,
+    eval_prompts: list[tuple[str, str]] | None = None,
+    eval_size: int = 4,
+    eval_max_new_tokens: int = 64,
+    resume: bool = False,
+    overwrite: bool = False,
+    push_to_hub: str | None = None,
+    head_overrides: dict | None = None,
+    target_name: str | None = None,
+    command: str | None = None,
+) -> dict:
+    """Train a head on ShareGPT JSONL `data_path` into `config.output_dir`, measure tau, write the model card.
+
+    Tau is measured on `eval_prompts`, else on the last `eval_size` conversations of the data, which are then held
+    out of training (`eval_size=0`: no evaluation). Returns a report dict (training summary, metrics).
+    """
+    started = time.time()
+    out = Path(config.output_dir)
+    conversations, bad = read_conversations(data_path)
+    for number, reason in bad:
+        print(f"{data_path}:{number}: skipped ({reason})", file=sys.stderr)
+    if not conversations:
+        first = f"; line {bad[0][0]}: {bad[0][1]}" if bad else ""
+        raise ValueError(
+            f"{data_path} holds no usable conversation with assistant tokens ({len(bad)} bad lines{first}). "
+            'Expected ShareGPT JSONL: {"conversations": [{"from": "human", ...}, {"from": "gpt", ...}]}, '
+            "e.g. from `jakiro distill`."
+        )
+    if eval_prompts is None and eval_size > 0:
+        if len(conversations) <= eval_size:
+            raise ValueError(
+                f"{data_path} has {len(conversations)} usable conversations, too few to hold out {eval_size} for "
+                "measuring tau: pass --eval-prompts FILE or --eval-size 0."
+            )
+        held_out = conversations[-eval_size:]
+        conversations = conversations[:-eval_size]
+        eval_prompts = [
+            (f"heldout-{i}", next(m["content"] for m in c if m["role"] == "user")) for i, c in enumerate(held_out)
+        ]
+    examples, data_stats = build_examples(conversations, tokenizer, config.max_length)
+    print(f"data: {data_stats} ({len(bad)} bad lines)")
+
+    overrides = dict(head_overrides or {})
+    d2t = None
+    if config.draft_vocab_size:
+        d2t = select_draft_vocab(
+            examples, config.draft_vocab_size, target.config.vocab_size, _eos_ids(target, tokenizer)
+        )
+        if len(d2t) < config.draft_vocab_size:
+            print(f"draft vocabulary: the data holds only {len(d2t)} distinct assistant tokens; using {len(d2t)}")
+        overrides["draft_vocab_size"] = len(d2t)
+    draft = JakiroDraftModel.from_target(target, **overrides).float()  # fp32 master weights; bf16 runs in autocast
+    if d2t is not None:
+        with torch.no_grad():
+            draft.d2t.copy_(d2t)
+            # Start from the target's own output rows: the reduced head begins as an exact slice of the target's.
+            draft.lm_head.weight.copy_(target.get_output_embeddings().weight[d2t.to(target.device)].float())
+    check_output_dir(out, draft.config, overwrite, main_process=config.process_index == 0)
+
+    trainer = JakiroTrainer(
+        model=draft,
+        target=target,
+        args=config,
+        train_dataset=examples,
+        data_collator=JakiroCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
+    )
+    runtime = trainer.train(resume_from_checkpoint=True if resume else None).metrics["train_runtime"]
+    data_stats["train_tokens_per_s"] = round(trainer.tokens_seen * config.world_size / runtime, 1)
+    trainer.save_model(str(out))
+    report = {}
+    if trainer.is_world_process_zero():
+        report = _finish(
+            trainer,
+            target,
+            tokenizer,
+            out,
+            data_path,
+            data_stats,
+            eval_prompts,
+            eval_max_new_tokens,
+            time.time() - started,
+            push_to_hub,
+            target_name,
+            command,
+        )
+    trainer.accelerator.wait_for_everyone()
+    return report
+
+
+def _finish(
+    trainer,
+    target,
+    tokenizer,
+    out,
+    data_path,
+    data_stats,
+    eval_prompts,
+    eval_max_new_tokens,
+    seconds,
+    push_to_hub,
+    target_name,
+    command,
+) -> dict:
+    """Main process: reload the saved head (whatever sharding trained it), measure tau, write the card."""
+    args = trainer.args
+    draft = JakiroDraftModel.from_pretrained(str(out)).to(target.get_input_embeddings().weight.device)
+    draft.bind_target(target).eval()
+    metrics = {}
+    if eval_prompts:
+        result = evaluate_tau(target, tokenizer, draft, eval_prompts, eval_max_new_tokens)
+        c = draft.config
+        metrics = {
+            "tau": round(result["tau"], 3),
+            "tau per prompt": ", ".join(f"{r['tau']:.2f}" for r in result["per_prompt"]),
+            "evaluation": f"{len(eval_prompts)} held-out prompts, greedy, max_new_tokens={eval_max_new_tokens}, "
+            f"tree total_tokens={c.total_tokens} depth={c.depth} top_k={c.top_k}",
+        }
+        print(f"tau = {result['tau']:.3f} (per prompt: {metrics['tau per prompt']})")
+    world = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    summary = {
+        "target": target_name or target.config._name_or_path,
+        "data": str(data_path),
+        "conversations": data_stats["conversations"],
+        "tokens": f"{data_stats['tokens']} ({data_stats['assistant_tokens']} assistant tokens trained on)",
+        "epochs": args.num_train_epochs if args.max_steps <= 0 else f"max_steps={args.max_steps}",
+        "steps": trainer.state.global_step,
+        "batch size": f"{world} ({args.per_device_train_batch_size} per device x {args.world_size} processes x "
+        f"{args.gradient_accumulation_steps} accumulation)",
+        "learning rate": args.learning_rate,
+        "precision": "bf16 autocast" if args.bf16 else "fp32",
+        "training throughput": f"{data_stats['train_tokens_per_s']} tokens/s (all processes)",
+        "max length": args.max_length,
+        "wall time": f"{seconds:.0f} s",
+    }
+    if command:
+        summary["command"] = command
+    from .hub import build_model_card
+
+    build_model_card(draft, training_summary=summary, metrics=metrics, repo_id=push_to_hub).save(str(out / "README.md"))
+    report = {"summary": summary, "metrics": metrics}
+    (out / "jakiro_training.json").write_text(json.dumps(report, indent=2, default=str))
+    if push_to_hub:
+        draft.push_to_hub(push_to_hub, training_summary=summary, metrics=metrics)
+        print(f"pushed to https://huggingface.co/{push_to_hub}")
+    print(f"head written to {out}")
+    return report
+
+
+# -- command line -----------------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="registry name, .gguf file, local model dir or Hub id")
+    parser.add_argument("--data", required=True, help="ShareGPT JSONL (e.g. from `jakiro distill`)")
+    parser.add_argument("--out", required=True, help="output directory: the head, checkpoints, TensorBoard runs/")
+    parser.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default: full)")
+    parser.add_argument("--epochs", type=float, default=None, help="default 20 (the recipe)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    parser.add_argument("--lr", type=float, default=None, help="default 9e-5")
+    parser.add_argument("--batch-size", type=int, default=None, help="per device; default 4")
+    parser.add_argument("--grad-accum", type=int, default=None)
+    parser.add_argument("--max-length", type=int, default=None, help="default 2048 tokens")
+    parser.add_argument("--warmup", type=float, default=None, help="warmup steps (>= 1) or ratio (< 1); default 0.05")
+    parser.add_argument("--feature-noise", type=float, default=None, help="default 0.2; 0 = no input noise")
+    parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps; default 500")
+    parser.add_argument("--logging-steps", type=int, default=None, help="default 10")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--bf16", action="store_true", help="target in bf16, draft trained in bf16 autocast")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace a different head already in --out")
+    parser.add_argument("--push-to-hub", default=None, metavar="ORG/NAME")
+    parser.add_argument("--eval-prompts", default=None, help="JSONL of prompts to measure tau on after training")
+    parser.add_argument("--eval-size", type=int, default=4, help="else hold out this many conversations (0: no eval)")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=64)
+    for name in ("total-tokens", "depth", "top-k"):
+        parser.add_argument(f"--{name}", type=int, default=None, help="tree default stored in the head's config")
+
+
+def config_from_args(args) -> JakiroTrainingConfig:
+    given = dict(
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps,
+        learning_rate=args.lr,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        max_length=args.max_length,
+        warmup_steps=args.warmup,
+        feature_noise=args.feature_noise,
+        save_steps=args.save_steps,
+        logging_steps=args.logging_steps,
+        seed=args.seed,
+        draft_vocab_size=args.draft_vocab,
+    )
+    given = {key: value for key, value in given.items() if value is not None}
+    accelerator = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
+    # Without an accelerator Trainer wants use_cpu for bf16 autocast; pinned memory only helps copies to a GPU.
+    return JakiroTrainingConfig(
+        output_dir=args.out, bf16=args.bf16, use_cpu=not accelerator, dataloader_pin_memory=accelerator, **given
+    )
+
+
+def _command(args) -> str:
+    """The command line that ran, rebuilt from the parsed options (for the model card)."""
+    parts = ["jakiro train"]
+    for key, value in vars(args).items():
+        if key in ("func", "command") or value in (None, False) or (key == "eval_size" and value == 4):
+            continue
+        parts.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
+    return " ".join(parts)
+
+
+def run(args) -> int:
+    if not Path(args.data).is_file():
+        raise FileNotFoundError(f"training data not found: {args.data}")
+    config = config_from_args(args)  # before loading the target: bad options fail fast
+    eval_prompts = None
+    if args.eval_prompts:
+        eval_prompts, bad = read_prompts(args.eval_prompts)
+        for number, reason in bad:
+            print(f"{args.eval_prompts}:{number}: skipped ({reason})", file=sys.stderr)
+    target, tokenizer = load_target_or_explain(args.target, "bfloat16" if args.bf16 else "float32")
+    heads = {k: getattr(args, k) for k in ("total_tokens", "depth", "top_k") if getattr(args, k) is not None}
+    train_head(
+        target,
+        tokenizer,
+        args.data,
+        config,
+        eval_prompts=eval_prompts,
+        eval_size=args.eval_size,
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        push_to_hub=args.push_to_hub,
+        head_overrides=heads,
+        target_name=args.target,
+        command=_command(args),
+    )
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser("train", help="train a Jakiro draft head for a target model")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m transformers_jakiro.train ...` / `accelerate launch -m transformers_jakiro.train ...`."""
+    parser = argparse.ArgumentParser(prog="transformers_jakiro.train", description="Train a Jakiro draft head.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"jakiro train: error: {error}", file=sys.stderr)
+        return 2
+
+
+__all__ = [
+    "JakiroCollator",
+    "JakiroTrainer",
+    "JakiroTrainingConfig",
+    "build_examples",
+    "evaluate_tau",
+    "read_conversations",
+    "select_draft_vocab",
+    "tokenize_conversation",
+    "train_head",
+]
+
+if __name__ == "__main__":
+    sys.exit(main())

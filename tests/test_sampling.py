@@ -1,0 +1,142 @@
+"""Sampling with a Jakiro draft preserves the target's distribution exactly.
+
+A tiny target over 8 tokens; the joint distribution of its first three generated tokens (512 outcomes) is
+enumerated exactly from the target itself, with the same logits warpers, and compared with 10k Jakiro samples by a
+chi-square test. The same test run with a deliberately wrong acceptance rule must fail, which shows the test can
+tell the difference.
+"""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+from tiny_models import quick_trained_draft
+from transformers_jakiro import tree_settings, verification
+from transformers_jakiro.generation import jakiro_decode
+
+VOCAB, NEW_TOKENS, SAMPLES = 8, 3, 10_000
+WRONG_RULE_SAMPLES = 3_000  # the bias of the wrong rule is large; fewer samples already reject it
+PROMPT = torch.tensor([[3, 5, 4]])
+
+
+@pytest.fixture(scope="module")
+def target_and_draft():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )
+    target = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(2.5)  # moderately peaked: the draft gets accepted and rejected often
+    draft = quick_trained_draft(target, vocab=VOCAB, total_tokens=10, depth=2, top_k=3)
+    return target, draft
+
+
+def exact_distribution(target, processors) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) for all 512 continuations, flattened in itertools.product order."""
+    outcomes = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS)))
+    sequences = torch.cat([PROMPT.expand(len(outcomes), -1), outcomes], dim=1)
+    with torch.no_grad():
+        logits = target(sequences).logits.float()
+    start = PROMPT.shape[1]
+    prob = torch.ones(len(outcomes), dtype=torch.float64)
+    for step in range(NEW_TOKENS):
+        prefix = sequences[:, : start + step]
+        scores = processors(prefix, logits[:, start + step - 1].clone())
+        p = torch.softmax(scores.double(), dim=-1)
+        prob *= p.gather(1, outcomes[:, step : step + 1]).squeeze(1)
+    return prob
+
+
+def sample_counts(target, draft, processors, samples: int) -> torch.Tensor:
+    config = GenerationConfig(do_sample=True)
+    stop = StoppingCriteriaList([MaxLengthCriteria(PROMPT.shape[1] + NEW_TOKENS)])
+    counts = torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64)
+    weights = torch.tensor([VOCAB**i for i in reversed(range(NEW_TOKENS))])
+    torch.manual_seed(1234)
+    for _ in range(samples):
+        out = jakiro_decode(target, PROMPT, processors, stop, config, draft)
+        counts[int((out[0, PROMPT.shape[1] :] * weights).sum())] += 1
+    return counts
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square; outcomes expected fewer than 5 times are pooled into one cell."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    return float(chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue)
+
+
+WARPERS = {
+    "temperature": [TemperatureLogitsWarper(0.8)],
+    "top_k": [TopKLogitsWarper(3)],
+    "top_p": [TopPLogitsWarper(0.8)],
+}
+
+
+@pytest.mark.parametrize("name", list(WARPERS))
+def test_sampling_matches_exact_target_distribution(target_and_draft, name):
+    target, draft = target_and_draft
+    processors = LogitsProcessorList(WARPERS[name])
+    probs = exact_distribution(target, processors)
+    counts = sample_counts(target, draft, processors, SAMPLES)
+    assert chi_square_p_value(counts, probs) > 1e-4
+    # The draft really was used: many rounds accepted more than the bonus token.
+    assert max(draft.last_generation_stats.accepted_lengths) >= 1
+
+
+def classic_wrong_verify(tree, processed_logits, do_sample):
+    """A common bug: accept each child x with probability p(x) but, when all are rejected, sample the bonus from
+    the full p instead of the residual with the rejected children removed. Drafted tokens get over-sampled."""
+    probs = torch.softmax(processed_logits.float(), dim=-1)
+    parents = tree.parents.tolist()
+    path, node = [0], 0
+    while True:
+        for child in [i for i, p in enumerate(parents) if p == node]:
+            if torch.rand(()) < probs[node, tree.tokens[child]]:
+                path.append(child)
+                node = child
+                break
+        else:
+            return torch.tensor(path), torch.multinomial(probs[node], 1)[0]
+
+
+def test_wrong_acceptance_rule_is_detected(target_and_draft, monkeypatch):
+    target, draft = target_and_draft
+    processors = LogitsProcessorList(WARPERS["temperature"])
+    probs = exact_distribution(target, processors)
+    monkeypatch.setattr(verification, "verify", classic_wrong_verify)
+    counts = sample_counts(target, draft, processors, WRONG_RULE_SAMPLES)
+    assert chi_square_p_value(counts, probs) < 1e-6
+
+
+def test_generate_entry_point_samples_the_same_distribution(target_and_draft):
+    """Through target.generate(do_sample=True, temperature=..., assistant_model=draft): first two tokens."""
+    target, draft = target_and_draft
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.8)])
+    three = exact_distribution(target, processors).reshape(VOCAB, VOCAB, VOCAB)
+    probs = three.sum(-1).flatten()
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    torch.manual_seed(99)
+    with tree_settings(draft, total_tokens=10, depth=2, top_k=3):
+        for _ in range(2000):
+            out = target.generate(PROMPT, do_sample=True, temperature=0.8, max_new_tokens=2, assistant_model=draft)
+            counts[out[0, 3] * VOCAB + out[0, 4]] += 1
+    assert chi_square_p_value(counts, probs) > 1e-4

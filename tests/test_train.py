@@ -1,0 +1,332 @@
+"""`jakiro train`: data pipeline, the Trainer (online frozen target), resume, reduced vocabulary, errors, the CLI;
+and, marked slow, distill + train on the real SmolLM2-135M-Instruct raising tau."""
+
+import json
+import random
+
+import pytest
+import torch
+from chat_tokenizer import make_tokenizer
+from tiny_models import make_target
+from transformers import TrainerCallback
+
+from transformers_jakiro import JakiroDraftModel, cli, tree_settings
+from transformers_jakiro.distill import distill
+from transformers_jakiro.train import (
+    JakiroCollator,
+    JakiroTrainer,
+    JakiroTrainingConfig,
+    build_examples,
+    evaluate_tau,
+    read_conversations,
+    select_draft_vocab,
+    tokenize_conversation,
+    train_head,
+)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory, target, tokenizer):
+    """24 conversations whose responses the tiny target wrote itself (what `jakiro distill` produces)."""
+    rng = random.Random(0)
+    prompts = [(str(i), "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 20)))) for i in range(24)]
+    path = tmp_path_factory.mktemp("data") / "data.jsonl"
+    distill(target, tokenizer, prompts, path, max_new_tokens=24, batch_size=8, progress=False)
+    return path
+
+
+def config(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=1,
+        learning_rate=3e-3,
+        warmup_steps=0,
+        logging_steps=1,
+        save_steps=1000,
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        per_device_train_batch_size=4,
+        seed=0,
+    )
+    values.update(overrides)
+    return JakiroTrainingConfig(**values)
+
+
+def examples_of(data_file, tokenizer, max_length=2048):
+    conversations, bad = read_conversations(data_file)
+    assert not bad
+    return build_examples(conversations, tokenizer, max_length)[0]
+
+
+# -- data -----------------------------------------------------------------------------------------------------------
+def test_assistant_mask_covers_exactly_the_assistant_turns(tokenizer):
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello!"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "ok\nbye"},
+    ]
+    example = tokenize_conversation(tokenizer, messages)
+    masked = [t for t, m in zip(example["input_ids"], example["loss_mask"]) if m]
+    assert tokenizer.decode(masked) == "hello!<|end|>ok\nbye<|end|>"
+    assert len(example["input_ids"]) == len(example["loss_mask"])
+
+
+def test_read_conversations_formats_and_bad_lines(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"conversations": [{"from": "human", "value": "only a question"}]},
+        {"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "a"}]},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n{broken\n")
+    conversations, bad = read_conversations(path)
+    assert len(conversations) == 2 and conversations[1][1] == {"role": "assistant", "content": "a"}
+    assert [n for n, _ in bad] == [3, 4, 5] and "no assistant" in bad[0][1] and "unknown role" in bad[1][1]
+
+
+def test_truncation_skips_too_long_prompts_and_collator_pads_right(tokenizer):
+    short = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "answer"}]
+    long = [{"role": "user", "content": "x" * 50}, {"role": "assistant", "content": "answer"}]
+    examples, stats = build_examples([short, long], tokenizer, max_length=12)
+    assert stats["conversations"] == 1 and stats["skipped_prompt_too_long"] == 1
+    assert len(examples[0]["input_ids"]) <= 12
+    with pytest.raises(ValueError, match="longer than max_length=12"):
+        build_examples([long], tokenizer, max_length=12)
+    batch = JakiroCollator(pad_token_id=0)(
+        [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [5], "loss_mask": [1]}]
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [5, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+
+
+def test_no_assistant_tokens_is_a_clear_error(tmp_path, tokenizer, target):
+    user_only = make_tokenizer()
+    user_only.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(ValueError, match="no assistant tokens"):
+        build_examples([messages], user_only, max_length=64)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "q"}]}) + "\n")
+    with pytest.raises(ValueError, match="no usable conversation with assistant tokens.*line 1"):
+        train_head(target, tokenizer, path, config(tmp_path), eval_size=0)
+
+
+def test_select_draft_vocab_most_frequent_plus_eos_sorted():
+    examples = [{"input_ids": [9, 9, 9, 7, 7, 5, 3, 4], "loss_mask": [1, 1, 1, 1, 1, 1, 0, 1]}]
+    assert select_draft_vocab(examples, 2, vocab_size=16).tolist() == [7, 9]
+    assert select_draft_vocab(examples, 3, vocab_size=16, always=[2]).tolist() == [2, 7, 9]
+    # ties go to the lower id; the untrained token 3 is never picked; fewer distinct tokens -> fewer ids
+    assert select_draft_vocab(examples, 4, vocab_size=16).tolist() == [4, 5, 7, 9]
+    assert select_draft_vocab(examples, 100, vocab_size=16).tolist() == [4, 5, 7, 9]
+
+
+# -- trainer --------------------------------------------------------------------------------------------------------
+def test_one_step_changes_the_draft_and_not_the_target(tmp_path, target, tokenizer, data_file):
+    draft = JakiroDraftModel.from_target(target)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    target_before = {k: v.clone() for k, v in target.state_dict().items()}
+    trainer = JakiroTrainer(
+        model=draft, target=target, args=config(tmp_path), train_dataset=examples_of(data_file, tokenizer)
+    )
+    trainer.train()
+    changed = [k for k, v in draft.state_dict().items() if not torch.equal(v, before[k])]
+    assert "fc.weight" in changed and "layer.moe.gate.weight" in changed and "layer.self_attn.q_proj.weight" in changed
+    assert all(torch.equal(v, target_before[k]) for k, v in target.state_dict().items())
+    assert not any(p.requires_grad for p in target.parameters())
+    logged = trainer.state.log_history[0]
+    for key in ("loss", "left_l1", "left_ce", "left_acc", "right_l1", "right_ce", "right_acc"):
+        assert key in logged
+
+
+def test_loss_falls_over_a_few_dozen_steps(tmp_path, target, tokenizer, data_file):
+    examples = examples_of(data_file, tokenizer)
+    draft = JakiroDraftModel.from_target(target)
+    trainer = JakiroTrainer(model=draft, target=target, args=config(tmp_path, max_steps=40), train_dataset=examples)
+    whole = JakiroCollator(0)(examples)
+
+    def full_loss():  # on all the data, without input noise (eval mode)
+        draft.eval()
+        with torch.no_grad():
+            return trainer.compute_loss(draft, whole).item()
+
+    before = full_loss()
+    trainer.train()
+    after = full_loss()
+    assert after < before - 0.1, (before, after)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert sum(e["left_acc"] for e in logs[-10:]) > sum(e["left_acc"] for e in logs[:10])
+
+
+def test_resume_continues_from_the_saved_step(tmp_path, target, tokenizer, data_file):
+    examples = examples_of(data_file, tokenizer)
+    args = config(tmp_path, max_steps=4, save_steps=2, lr_scheduler_type="constant")
+    JakiroTrainer(model=JakiroDraftModel.from_target(target), target=target, args=args, train_dataset=examples).train()
+    assert (tmp_path / "out" / "checkpoint-4").is_dir()
+    saved = JakiroDraftModel.from_pretrained(tmp_path / "out" / "checkpoint-4").state_dict()
+
+    resumed = JakiroDraftModel.from_target(target)  # fresh weights: the checkpoint must replace them
+    args = config(tmp_path, max_steps=6, save_steps=2, lr_scheduler_type="constant")
+    trainer = JakiroTrainer(model=resumed, target=target, args=args, train_dataset=examples)
+    loaded, steps = {}, []
+
+    class Peek(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            loaded.update({k: v.clone() for k, v in model.state_dict().items()})
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+
+    trainer.add_callback(Peek())
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 6 and steps == [5, 6]
+    # on_train_begin runs after the checkpoint was loaded: training went on from checkpoint-4's weights
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+
+
+def test_train_head_reduced_vocab_round_trip_tau_and_card(tmp_path, target, tokenizer, data_file):
+    args = config(tmp_path, max_steps=3, draft_vocab_size=40)
+    report = train_head(
+        target,
+        tokenizer,
+        data_file,
+        args,
+        eval_size=2,
+        eval_max_new_tokens=6,
+        head_overrides=dict(total_tokens=8, depth=2, top_k=2),
+    )
+    out = tmp_path / "out"
+    head = JakiroDraftModel.from_pretrained(out)
+    d2t = head.d2t.tolist()
+    assert head.config.draft_vocab_size == len(d2t) == 40 and head.lm_head.weight.shape[0] == 40
+    assert d2t == sorted(set(d2t)) and 2 in d2t  # sorted, unique, EOS kept
+    trained_on = examples_of(data_file, tokenizer)[:-2]
+    assert d2t == select_draft_vocab(trained_on, 40, 128, always=[2]).tolist()
+    # tau was measured by real tree decoding on the 2 held-out prompts, and the card says so
+    assert report["metrics"]["tau"] >= 1.0 and len(report["metrics"]["tau per prompt"].split(",")) == 2
+    card = (out / "README.md").read_text()
+    assert "acceptance length tau" in card and "steps: 3" in card and str(data_file) in card
+    assert json.loads((out / "jakiro_training.json").read_text())["summary"]["steps"] == 3
+    # the reloaded head drafts for the target with its reduced vocabulary
+    ids = tokenizer("<|user|>abc<|end|><|assistant|>", return_tensors="pt", add_special_tokens=False)
+    plain = target.generate(**ids, do_sample=False, max_new_tokens=8, pad_token_id=0)
+    with tree_settings(head.bind_target(target), total_tokens=8, depth=2, top_k=2):
+        assert torch.equal(
+            target.generate(**ids, assistant_model=head, do_sample=False, max_new_tokens=8, pad_token_id=0), plain
+        )
+
+
+def test_output_dir_with_a_different_head(tmp_path, target, tokenizer, data_file):
+    out = tmp_path / "out"
+    JakiroDraftModel.from_target(target).save_pretrained(out)  # full vocabulary
+    (out / "checkpoint-7").mkdir()
+    args = config(tmp_path, draft_vocab_size=40)
+    with pytest.raises(ValueError, match="already holds a different head.*draft_vocab_size.*--overwrite"):
+        train_head(target, tokenizer, data_file, args, eval_size=0)
+    train_head(target, tokenizer, data_file, args, eval_size=0, overwrite=True)
+    assert JakiroDraftModel.from_pretrained(out).config.draft_vocab_size == 40
+    assert not (out / "checkpoint-7").exists()
+    train_head(target, tokenizer, data_file, args, eval_size=0)  # the same head again: fine
+
+
+def test_cli_train(tmp_path, capsys, target, tokenizer, data_file):
+    model_dir = tmp_path / "tiny"
+    target.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "turns": ["abc"]}) + "\n")
+    out = tmp_path / "head"
+    argv = [
+        "train",
+        "--target",
+        str(model_dir),
+        "--data",
+        str(data_file),
+        "--out",
+        str(out),
+        "--max-steps",
+        "2",
+        "--draft-vocab",
+        "48",
+        "--eval-prompts",
+        str(prompts),
+        "--eval-max-new-tokens",
+        "4",
+        "--total-tokens",
+        "4",
+        "--depth",
+        "2",
+        "--top-k",
+        "2",
+        "--logging-steps",
+        "1",
+    ]
+    assert cli.main(argv) == 0
+    assert "tau = " in capsys.readouterr().out
+    assert JakiroDraftModel.from_pretrained(out).config.total_tokens == 4
+    assert "jakiro train --target" in (out / "README.md").read_text()
+
+    assert (
+        cli.main(["train", "--target", str(tmp_path / "missing-model"), "--data", str(data_file), "--out", str(out)])
+        == 2
+    )
+    assert "could not load the target" in capsys.readouterr().err
+    assert (
+        cli.main(["train", "--target", str(model_dir), "--data", str(tmp_path / "none.jsonl"), "--out", str(out)]) == 2
+    )
+    assert "training data not found" in capsys.readouterr().err
+
+
+# -- the real model ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_distill_train_raises_tau(tmp_path, smollm2):
+    """Self-distil a handful of GSM8K-style prompts, train a reduced-vocabulary head for a few dozen steps, and
+    measure tau on those prompts with real tree decoding: above the untrained head's."""
+    model, tok = smollm2
+    questions = [
+        "What is 12 times 7?",
+        "Name three primary colors.",
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "How many legs does a spider have?",
+        "What is 15 plus 27?",
+    ]
+    prompts = [(str(i), q) for i, q in enumerate(questions)]
+    data = tmp_path / "data.jsonl"
+    distill(model, tok, prompts, data, max_new_tokens=40, batch_size=6, progress=False)
+    args = config(
+        tmp_path,
+        max_steps=60,
+        learning_rate=2e-3,
+        per_device_train_batch_size=3,
+        draft_vocab_size=2048,
+        logging_steps=10,
+        warmup_steps=5,
+    )
+    settings = dict(total_tokens=12, depth=3, top_k=4)
+    report = train_head(model, tok, data, args, eval_prompts=prompts, eval_max_new_tokens=32, head_overrides=settings)
+    trained = report["metrics"]["tau"]
+
+    head = JakiroDraftModel.from_pretrained(tmp_path / "out")  # 2048 shrinks to the distinct tokens of the data
+    untrained = JakiroDraftModel.from_target(model, draft_vocab_size=head.config.draft_vocab_size, **settings)
+    with torch.no_grad():  # same reduced vocabulary and lm_head start as the trained head, untrained layer
+        untrained.d2t.copy_(head.d2t)
+        untrained.lm_head.weight.copy_(model.get_output_embeddings().weight[head.d2t])
+    baseline = evaluate_tau(model, tok, untrained, prompts, max_new_tokens=32)["tau"]
+    print(f"tau untrained {baseline:.2f}, trained {trained:.2f}")
+    assert trained > baseline + 0.3
