@@ -10,6 +10,8 @@ SUBCOMMAND_MODULES = [
     "transformers_jakiro.convert",
     "transformers_jakiro.distill",
     "transformers_jakiro.train",
+    "transformers_jakiro.bench",
+    "transformers_jakiro.demo",
 ]
 
 

@@ -1,0 +1,182 @@
+"""`jakiro demo`: SmolLM2-135M-Instruct answering a few prompts through Jakiro, streamed, then plain `generate` vs
+Jakiro side by side (tokens/s, speedup, tau, identical output or not).
+
+    jakiro demo                                   # the head shipped in heads/jakiro-smollm2-135m-instruct/
+    jakiro demo --prompt "Write a haiku about tea." --max-new-tokens 64
+    jakiro demo --draft random                    # an UNTRAINED head: exact output, but expect no speedup
+
+The Python entry point is `run_demo(target, tokenizer, draft, ...)`, which takes any loaded target/tokenizer/draft.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import TextStreamer
+
+TARGET = "smollm2-135m-instruct"
+HEAD_NAME = "jakiro-smollm2-135m-instruct"
+PROMPTS = (
+    "Name three primary colors and one thing that is usually each color.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences why the sky is blue.",
+)
+TRAIN_HINT = (
+    "Train one: write prompts (e.g. scripts/smollm2_prompts.py), let the target answer them, train on the answers:\n"
+    "    jakiro distill --target smollm2-135m-instruct --prompts data/smollm2/prompts.jsonl "
+    "--out data/smollm2/distilled.jsonl\n"
+    f"    jakiro train --target smollm2-135m-instruct --data data/smollm2/distilled.jsonl --out heads/{HEAD_NAME}\n"
+    "or pass --draft DIR (a trained head), or --draft random for an untrained head (exact output, no speedup)."
+)
+
+
+class _Streamer(TextStreamer):
+    """TextStreamer that writes to `file` (None: discards the text, so that a timed run pays the same overhead)."""
+
+    def __init__(self, tokenizer, file=None):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.file = file
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        if self.file is not None:
+            print(text, file=self.file, flush=True, end="" if not stream_end else None)
+
+
+def find_head() -> Path | None:
+    """The trained head shipped with the repository (or under ./heads), if present."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        candidate = root / "heads" / HEAD_NAME
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
+
+
+def _generate(target, inputs, draft, sampling, streamer):
+    start = time.perf_counter()
+    try:
+        output = target.generate(**inputs, **sampling, streamer=streamer,
+                                 **({"assistant_model": draft} if draft is not None else {}))
+    except (torch.OutOfMemoryError, MemoryError) as error:
+        raise RuntimeError(
+            f"not enough memory to generate ({error}); use fewer --max-new-tokens, a shorter prompt, "
+            "--dtype bfloat16, or close other programs"
+        ) from error
+    seconds = time.perf_counter() - start
+    return output[0, inputs["input_ids"].shape[1]:].tolist(), seconds
+
+
+def run_demo(
+    target,
+    tokenizer,
+    draft,
+    prompts=PROMPTS,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    file=None,
+    label: str | None = None,
+    seed: int = 0,
+) -> dict:
+    """Stream Jakiro's answer to each prompt, then print plain vs Jakiro per prompt and overall; returns the rows.
+
+    Each prompt runs Jakiro (streamed to `file`, default stdout) and plain `generate` (same settings, a silent
+    streamer so both pay the same overhead). One short warm-up generation of each runs first."""
+    file = file or sys.stdout
+    device = target.get_input_embeddings().weight.device
+    draft.bind_target(target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sampling = {"max_new_tokens": max_new_tokens, "pad_token_id": pad, "do_sample": temperature > 0}
+    if temperature > 0:
+        sampling.update(temperature=temperature, top_k=0, top_p=1.0)
+    if label:
+        print(label, file=file)
+
+    def encode(text):
+        if getattr(tokenizer, "chat_template", None):
+            inputs = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                   return_tensors="pt", return_dict=True)
+        else:
+            inputs = tokenizer(text, return_tensors="pt")
+        return {k: v.to(device) for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+
+    warm = encode(prompts[0])
+    for assistant in (None, draft):
+        _generate(target, warm, assistant, {**sampling, "max_new_tokens": min(8, max_new_tokens)}, None)
+
+    rows = []
+    for number, prompt in enumerate(prompts, start=1):
+        inputs = encode(prompt)
+        print(f"\n[{number}] {prompt}\n--- Jakiro:", file=file, flush=True)
+        torch.manual_seed(seed + number)
+        jakiro_ids, jakiro_s = _generate(target, inputs, draft, sampling, _Streamer(tokenizer, file))
+        stats = draft.last_generation_stats
+        torch.manual_seed(seed + number)
+        plain_ids, plain_s = _generate(target, inputs, None, sampling, _Streamer(tokenizer, None))
+        rows.append(dict(prompt=prompt, plain_tokens=len(plain_ids), plain_s=plain_s, jakiro_tokens=len(jakiro_ids),
+                         jakiro_s=jakiro_s, rounds=stats.rounds,
+                         identical=(plain_ids == jakiro_ids) if temperature == 0 else None))
+
+    def summary(name, chosen):
+        plain = sum(r["plain_tokens"] for r in chosen) / max(sum(r["plain_s"] for r in chosen), 1e-9)
+        fast = sum(r["jakiro_tokens"] for r in chosen) / max(sum(r["jakiro_s"] for r in chosen), 1e-9)
+        tau = sum(r["jakiro_tokens"] for r in chosen) / max(sum(r["rounds"] for r in chosen), 1)
+        same = [r["identical"] for r in chosen]
+        identical = "n/a (sampling)" if temperature > 0 else ("yes" if all(same) else f"{sum(same)}/{len(same)}")
+        return dict(name=name, plain_tokens_per_s=plain, jakiro_tokens_per_s=fast, speedup=fast / plain if plain else 0,
+                    tau=tau, identical=identical)
+
+    table = [summary(f"[{i}] {r['prompt'][:28]}", [r]) for i, r in enumerate(rows, start=1)]
+    if len(rows) > 1:
+        table.append(summary("all", rows))
+    header = f"{'prompt':<34} {'plain tok/s':>11} {'jakiro tok/s':>12} {'speedup':>8} {'tau':>6}  identical"
+    print("\n" + header + "\n" + "-" * len(header), file=file)
+    for row in table:
+        print(f"{row['name']:<34} {row['plain_tokens_per_s']:>11.2f} {row['jakiro_tokens_per_s']:>12.2f} "
+              f"{row['speedup']:>7.2f}x {row['tau']:>6.2f}  {row['identical']}", file=file)
+    return {"rows": rows, "table": table}
+
+
+def load_demo_models(draft_spec: str | None = None, dtype: str = "auto"):
+    """(target, tokenizer, draft, label) for the CLI; errors say what to install or train."""
+    from .bench import load_draft
+    from .targets import load_target
+
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    head = draft_spec or find_head()
+    if head is None:
+        raise FileNotFoundError(f"no trained Jakiro head for {TARGET}: heads/{HEAD_NAME}/ is not in the repository.\n"
+                                + TRAIN_HINT)
+    target, tokenizer = load_target(TARGET, dtype=dtype)  # MissingPackageError / sha256 / memory: clear errors
+    if torch.cuda.is_available():
+        target.to("cuda")
+    draft = load_draft(str(head), target)
+    if str(head) == "random":
+        label = ("NOTE: UNTRAINED random draft head (--draft random): the output is exactly the target's, but almost "
+                 "no draft token is accepted, so expect a slowdown, not a speedup.")
+    else:
+        label = f"Jakiro head: {head}"
+    return target, tokenizer, draft, f"target: {TARGET} ({dtype})\n{label}"
+
+
+def run(args) -> int:
+    target, tokenizer, draft, label = load_demo_models(args.draft, args.dtype)
+    prompts = [args.prompt] if args.prompt else list(PROMPTS)
+    run_demo(target, tokenizer, draft, prompts, args.max_new_tokens, args.temperature, label=label)
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="SmolLM2-135M-Instruct with Jakiro: streamed answers, plain vs Jakiro")
+    parser.add_argument("--prompt", default=None, help="answer this prompt instead of the built-in ones")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs compared), > 0 sampled")
+    parser.add_argument("--draft", default=None, help=f"head directory (default heads/{HEAD_NAME}), or 'random'")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: float32 on CPU, bfloat16 on CUDA")
+    parser.set_defaults(func=run)
+
+
+__all__ = ["PROMPTS", "find_head", "load_demo_models", "run_demo"]

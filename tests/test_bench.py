@@ -1,0 +1,146 @@
+"""The benchmark tool on a tiny random target: every method runs, the files have the expected fields, the baseline's
+speedup is 1 and Jakiro matches it at temperature 0; the tree tuner's pure selection agrees with brute force."""
+
+import importlib.util
+import itertools
+import json
+import random
+
+import pytest
+import torch
+
+from chat_tokenizer import make_tokenizer
+from tiny_models import make_target, quick_trained_draft
+from transformers_jakiro import bench
+
+PROMPTS = {
+    "mt_bench": [{"id": "1", "category": "writing", "turns": ["Say hi.", "Again."]}],
+    "humaneval": [{"id": "2", "category": "code", "turns": ["def f(x):"]}],
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    target = make_target("llama")
+    draft = quick_trained_draft(target, steps=60, total_tokens=12, depth=3, top_k=4)
+    assistant = make_target("llama", seed=1, num_hidden_layers=1)
+    return target, make_tokenizer(), draft, assistant
+
+
+def test_every_method_and_outputs(models, tmp_path):
+    target, tokenizer, draft, assistant = models
+    result = bench.run_benchmark(
+        target, tokenizer, draft, assistant=assistant, prompts=PROMPTS, temperatures=(0.0, 1.0),
+        max_new_tokens=12, out_dir=tmp_path, command="jakiro bench --test", labels={"target": "tiny"},
+        log=lambda _: None,
+    )
+    assert result["config"]["methods"] == list(bench.METHODS)
+    for key in ("cpu", "cpu_cores", "torch", "transformers", "dtype", "command"):
+        assert result["machine"][key]
+    assert result["machine"]["command"] == "jakiro bench --test"
+    rows = {(r["temperature"], r["suite"], r["method"]): r for r in result["results"]}
+    assert len(rows) == 2 * 3 * len(bench.METHODS)  # 2 temperatures x (2 suites + overall) x methods
+    for (temperature, suite, method), row in rows.items():
+        assert row["generations"] == (3 if suite == "overall" else 2 if suite == "mt_bench" else 1)
+        assert row["tokens_per_s"] > 0 and row["peak_memory_mb"] > 0
+        if method == "plain":
+            assert row["speedup"] == 1.0
+        if method in bench.TREE_METHODS:
+            assert row["tau"] >= 1.0
+            assert row["efficiency"] == pytest.approx(row["speedup"] / row["tau"], rel=1e-3)
+        else:
+            assert row["tau"] is None and row["efficiency"] is None
+        if temperature == 0:
+            assert row["match_rate"] is not None
+        else:
+            assert row["match_rate"] is None
+    for suite in ("mt_bench", "humaneval", "overall"):
+        assert rows[(0.0, suite, "jakiro")]["match_rate"] == 1.0
+        assert rows[(0.0, suite, "eagle2")]["match_rate"] == 1.0  # fp32, greedy: lossless
+        assert rows[(0.0, suite, "plain")]["match_rate"] == 1.0
+    # MT-bench runs its second turn; the method order rotates per prompt
+    assert {s["turn"] for s in result["samples"] if s["suite"] == "mt_bench"} == {1, 2}
+
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["results"] == result["results"] and saved["machine"]["command"] == "jakiro bench --test"
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| suite | method | tokens/s | speedup | tau | efficiency | match rate | peak memory (MiB) |" in markdown
+    assert "| overall | prompt_lookup |" in markdown and "n/a" in markdown
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_errors(models):
+    target, tokenizer, draft, _ = models
+    with pytest.raises(ValueError, match="--assistant"):
+        bench.run_benchmark(target, tokenizer, draft, prompts=PROMPTS, methods=["assisted"], log=lambda _: None)
+    with pytest.raises(ValueError, match="unknown method"):
+        bench.run_benchmark(target, tokenizer, draft, prompts=PROMPTS, methods=["nope"], log=lambda _: None)
+
+
+def _brute_force(verify_s, draft_s, survival, contrastive):
+    best = None
+    for n, d in itertools.product(sorted(verify_s), sorted(draft_s)):
+        levels = d + 1 if contrastive else d
+        value = (1 + sum(survival[n][:levels])) / (verify_s[n] + draft_s[d])
+        if best is None or value > best[0] + 1e-12:
+            best = (value, n, d)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_choose_tree_settings_matches_brute_force(seed):
+    rng = random.Random(seed)
+    sizes, depths = [1, 4, 8, 16, 32, 64], [1, 2, 3, 4, 5, 6]
+    base = rng.uniform(0.01, 0.1)
+    verify_s = {n: base * (1 + rng.uniform(0, 0.05) * n) for n in sizes}
+    draft_s = {d: rng.uniform(0.001, 0.02) * d for d in depths}
+    survival = {}
+    for n in sizes:
+        p, s, values = min(0.95, rng.uniform(0.2, 0.6) + 0.05 * n ** 0.5), 1.0, []
+        for _ in range(7):
+            s *= p * rng.uniform(0.8, 1.0)
+            values.append(s)
+        survival[n] = values
+    for contrastive in (True, False):
+        choice = bench.choose_tree_settings(verify_s, draft_s, survival, contrastive)
+        value, n, d = _brute_force(verify_s, draft_s, survival, contrastive)
+        assert (choice["total_tokens"], choice["depth"]) == (n, d)
+        assert choice["predicted_tokens_per_s"] == pytest.approx(value)
+
+
+def test_choose_tree_settings_follows_costs():
+    survival = {n: [0.8 ** d for d in range(1, 8)] for n in (1, 8, 64)}
+    cheap_big = bench.choose_tree_settings({1: 1.0, 8: 1.0, 64: 1.0}, {1: 0.01, 6: 0.01}, survival)
+    assert cheap_big["depth"] == 6
+    # nothing is accepted: the cheapest round wins
+    dead = {n: [0.0] * 7 for n in (1, 8, 64)}
+    assert bench.choose_tree_settings({1: 1.0, 8: 1.2, 64: 2.0}, {1: 0.1, 6: 0.6}, dead)["total_tokens"] == 1
+
+
+def test_acceptance_profile():
+    profile = bench.acceptance_profile([[1, 3, 2, 1, 5], [1, 4, 1]], levels=3)  # rounds kept: 3 2 1 | 4
+    assert profile["rounds"] == 4
+    assert profile["survival"] == [0.75, 0.5, 0.25]
+    assert profile["acceptance_rates"] == pytest.approx([0.75, 2 / 3, 0.5])
+
+
+def test_tune_measures_and_chooses(models):
+    target, tokenizer, draft, _ = models
+    prompts = [{"turns": ["Say hi."]}, {"turns": ["def f(x):"]}]
+    result = bench.tune(target, tokenizer, draft, prompts, max_new_tokens=10, sizes=(1, 4, 12), depths=(1, 3),
+                        repeats=1, log=lambda _: None)
+    assert set(result["verify_s"]) == {"0", "1", "4", "12"} and set(result["draft_s"]) == {"1", "3"}
+    assert all(t > 0 for t in result["verify_s"].values())
+    assert (result["chosen"]["total_tokens"], result["chosen"]["depth"]) in {(n, d) for n in (1, 4, 12) for d in (1, 3)}
+    # the choice is the selection function applied to the measured numbers
+    expected = bench.choose_tree_settings(
+        {int(n): t for n, t in result["verify_s"].items() if n != "0"},
+        {int(d): t for d, t in result["draft_s"].items()},
+        {int(n): p["survival"] for n, p in result["acceptance"].items()},
+    )
+    chosen = result["chosen"]
+    assert (expected["total_tokens"], expected["depth"]) == (chosen["total_tokens"], chosen["depth"])
+    assert result["outputs_identical"] and result["gain_over_default"] > 0
+    assert len(result["acceptance"]["12"]["acceptance_rates"]) == 4  # depth 3 + the contrastive level

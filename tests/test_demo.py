@@ -1,0 +1,54 @@
+"""The demo's core (`run_demo`) on a tiny target: streamed answers, then the plain-vs-Jakiro table."""
+
+import io
+
+import pytest
+import torch
+
+from chat_tokenizer import make_tokenizer
+from tiny_models import make_target, quick_trained_draft
+from transformers_jakiro import demo
+from transformers_jakiro.modeling_jakiro import JakiroDraftModel
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    target = make_target("llama")
+    return target, make_tokenizer(), quick_trained_draft(target, steps=60, total_tokens=12, depth=3, top_k=4)
+
+
+def test_demo_table_greedy(models):
+    target, tokenizer, draft = models
+    out = io.StringIO()
+    result = demo.run_demo(target, tokenizer, draft, ["Say hi.", "def f(x):"], max_new_tokens=16, file=out,
+                           label="tiny target")
+    text = out.getvalue()
+    assert text.startswith("tiny target\n")
+    assert "[1] Say hi.\n--- Jakiro:" in text and "[2] def f(x):" in text
+    assert "plain tok/s" in text and "jakiro tok/s" in text and "speedup" in text and "tau" in text
+    table = text.split("identical\n", 1)[1].splitlines()[1:]  # below the header and its rule
+    lines = [line for line in table if line.startswith(("[1] Say", "[2] def", "all "))]
+    assert len(lines) == 3 and all(line.rstrip().endswith("yes") for line in lines)
+    assert all(row["identical"] for row in result["rows"])
+    overall = result["table"][-1]
+    assert overall["name"] == "all" and overall["tau"] >= 1.0
+    assert overall["speedup"] == pytest.approx(overall["jakiro_tokens_per_s"] / overall["plain_tokens_per_s"])
+    # the streamed text is the decoded Jakiro answer
+    first = result["rows"][0]
+    assert first["jakiro_tokens"] == first["plain_tokens"] > 0
+
+
+def test_demo_sampling_and_random_head(models):
+    target, tokenizer, _ = models
+    torch.manual_seed(0)
+    draft = JakiroDraftModel.from_target(target)  # untrained
+    out = io.StringIO()
+    demo.run_demo(target, tokenizer, draft, ["Say hi."], max_new_tokens=8, temperature=1.0, file=out)
+    assert "n/a (sampling)" in out.getvalue()
+
+
+def test_demo_missing_head_explains(monkeypatch):
+    monkeypatch.setattr(demo, "find_head", lambda: None)
+    with pytest.raises(FileNotFoundError, match="jakiro train"):
+        demo.load_demo_models(None)
