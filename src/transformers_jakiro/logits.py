@@ -42,6 +42,23 @@ _ROW_WISE_NAMES = (
 )
 ROW_WISE_PROCESSORS = tuple(getattr(lp, name) for name in _ROW_WISE_NAMES if hasattr(lp, name))
 
+# Row-wise processors that ignore the ids entirely: a list made only of these runs on all nodes in one call,
+# without grouping nodes by depth (which needs the depths on the host: a device sync per round).
+_PREFIX_FREE_NAMES = (
+    "TemperatureLogitsWarper",
+    "TopPLogitsWarper",
+    "TopKLogitsWarper",
+    "TopHLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
+    "InfNanRemoveLogitsProcessor",
+    "LogitNormalization",
+    "SuppressTokensLogitsProcessor",
+)
+PREFIX_FREE_PROCESSORS = tuple(getattr(lp, name) for name in _PREFIX_FREE_NAMES if hasattr(lp, name))
+
 
 def check_processors(processors: LogitsProcessorList) -> None:
     """Raise if any processor cannot be applied per tree node."""
@@ -74,6 +91,8 @@ def process_tree_logits(
     """
     if len(processors) == 0:
         return logits
+    if all(type(processor) in PREFIX_FREE_PROCESSORS for processor in processors):
+        return processors(input_ids.expand(tree.num_nodes, -1), logits.clone())  # processors may work in place
     tokens = path_tokens(tree)
     depths = tree.depths.tolist()
     out = torch.empty_like(logits)
@@ -84,4 +103,4 @@ def process_tree_logits(
     return out
 
 
-__all__ = ["ROW_WISE_PROCESSORS", "check_processors", "path_tokens", "process_tree_logits"]
+__all__ = ["PREFIX_FREE_PROCESSORS", "ROW_WISE_PROCESSORS", "check_processors", "path_tokens", "process_tree_logits"]

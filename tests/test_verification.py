@@ -1,0 +1,109 @@
+"""Acceptance on hand-built trees, and per-node logits processing against a node-by-node loop."""
+
+import torch
+from transformers import (
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+from transformers_jakiro.logits import path_tokens, process_tree_logits
+from transformers_jakiro.tree import DraftTree, ancestor_matrix
+from transformers_jakiro.verification import accept, target_choices
+
+
+def hand_tree():
+    """
+    root(0, tok 10) ── a(1, tok 5) ── c(3, tok 7) ── e(5, tok 9)
+                    │              └─ d(4, tok 8)
+                    └─ b(2, tok 6) ── f(6, tok 7)
+    """
+    parents = torch.tensor([-1, 0, 0, 1, 1, 3, 2])
+    return DraftTree(
+        tokens=torch.tensor([10, 5, 6, 7, 8, 9, 7]),
+        parents=parents,
+        depths=torch.tensor([0, 1, 1, 2, 2, 3, 2]),
+        ancestors=ancestor_matrix(parents, 3),
+        scores=torch.zeros(7),
+    )
+
+
+def choices(**at):
+    """Target choices per node (default 0, a token no node carries)."""
+    out = torch.zeros(7, dtype=torch.long)
+    for node, token in at.items():
+        out[int(node[1:])] = token
+    return out
+
+
+def test_longest_matching_path_and_bonus():
+    path, bonus = accept(hand_tree(), choices(n0=5, n1=7, n3=9, n5=42))
+    assert path.tolist() == [0, 1, 3, 5] and bonus.item() == 42
+
+
+def test_other_branch():
+    path, bonus = accept(hand_tree(), choices(n0=6, n2=7, n6=11))
+    assert path.tolist() == [0, 2, 6] and bonus.item() == 11
+
+
+def test_nothing_accepted():
+    path, bonus = accept(hand_tree(), choices(n0=42))
+    assert path.tolist() == [0] and bonus.item() == 42
+
+
+def test_a_match_below_a_mismatch_does_not_count():
+    # c and e would match, but a (their ancestor) does not: only the root is accepted.
+    path, bonus = accept(hand_tree(), choices(n0=99, n1=7, n3=9))
+    assert path.tolist() == [0] and bonus.item() == 99
+
+
+def test_stop_partway_down():
+    path, bonus = accept(hand_tree(), choices(n0=5, n1=8, n4=3))
+    assert path.tolist() == [0, 1, 4] and bonus.item() == 3
+
+
+def test_target_choices_greedy_and_sampled():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [-float("inf"), -float("inf"), 0.0]])
+    assert target_choices(logits, do_sample=False).tolist() == [1, 2]
+    torch.manual_seed(0)
+    assert target_choices(logits, do_sample=True)[1].item() == 2  # the only token with mass
+
+
+def test_path_tokens():
+    assert path_tokens(hand_tree()).tolist() == [
+        [10, 0, 0, 0], [10, 5, 0, 0], [10, 6, 0, 0], [10, 5, 7, 0], [10, 5, 8, 0], [10, 5, 7, 9], [10, 6, 7, 0]
+    ]
+
+
+def test_per_node_processing_equals_node_by_node_loop():
+    tree = hand_tree()
+    input_ids = torch.tensor([[3, 4, 5, 7, 10]])  # ends with the root token
+    torch.manual_seed(0)
+    logits = torch.randn(7, 12)
+    processors = LogitsProcessorList([
+        RepetitionPenaltyLogitsProcessor(1.8),
+        NoRepeatNGramLogitsProcessor(2),
+        MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=3, min_new_tokens=4, eos_token_id=2),
+        TemperatureLogitsWarper(0.7),
+        TopKLogitsWarper(5),
+    ])
+    got = process_tree_logits(processors, input_ids, tree, logits)
+    tokens = path_tokens(tree)
+    for node in range(7):
+        depth = int(tree.depths[node])
+        prefix = torch.cat([input_ids, tokens[node : node + 1, 1 : depth + 1]], dim=1)
+        expected = processors(prefix, logits[node : node + 1].clone())
+        assert torch.equal(got[node : node + 1], expected), node
+
+
+def test_prefix_free_processors_leave_raw_logits_untouched():
+    tree = hand_tree()
+    logits = torch.randn(7, 12)
+    before = logits.clone()
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.5), TopKLogitsWarper(3)])
+    got = process_tree_logits(processors, torch.tensor([[1, 10]]), tree, logits)
+    assert torch.equal(logits, before)
+    assert torch.equal(got, processors(torch.tensor([[1, 10]]).expand(7, -1), before.clone()))
