@@ -57,7 +57,11 @@ METHODS = ("plain", "jakiro", "eagle2", "assisted", "prompt_lookup")
 TREE_METHODS = ("jakiro", "eagle2")
 SUITES = ("mt_bench", "humaneval", "alpaca")
 PROMPT_LOOKUP_NUM_TOKENS = 10
-DEFAULT_DATA_DIR = Path(os.environ.get("JAKIRO_BENCH_DATA", "/work/shared/data/bench"))
+# The benchmark questions live in shared/data/bench beside a checkout of this repository; $JAKIRO_BENCH_DATA or
+# --data-dir point elsewhere.
+DEFAULT_DATA_DIR = Path(
+    os.environ.get("JAKIRO_BENCH_DATA", Path(__file__).resolve().parents[3] / "shared" / "data" / "bench")
+)
 TUNE_SIZES = (1, 4, 8, 16, 32, 64)
 TUNE_DEPTHS = (1, 2, 3, 4, 5, 6)
 

@@ -201,10 +201,7 @@ def _check_supported(target, draft, input_ids, processors, model_kwargs) -> None
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("Jakiro decoding needs input_ids, not inputs_embeds.")
     check_processors(processors)
-    if not draft.is_bound:
-        draft.bind_target(target)
-    else:
-        draft.bind_target(target)  # re-check shapes: the draft may have been bound to another target before
+    draft.bind_target(target)  # checks shapes every call: the draft may have been bound to another target before
 
 
 @torch.no_grad()
