@@ -222,6 +222,7 @@ def test_train_head_reduced_vocab_round_trip_tau_and_card(tmp_path, target, toke
     card = (out / "README.md").read_text()
     assert "acceptance length tau" in card and "steps: 3" in card and str(data_file) in card
     assert json.loads((out / "jakiro_training.json").read_text())["summary"]["steps"] == 3
+    assert not list(out.glob("*.bin"))  # no pickle next to the published weights
     # the reloaded head drafts for the target with its reduced vocabulary
     ids = tokenizer("<|user|>abc<|end|><|assistant|>", return_tensors="pt", add_special_tokens=False)
     plain = target.generate(**ids, do_sample=False, max_new_tokens=8, pad_token_id=0)

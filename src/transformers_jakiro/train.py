@@ -471,6 +471,10 @@ def train_head(
     runtime = trainer.train(resume_from_checkpoint=True if resume else None).metrics["train_runtime"]
     data_stats["train_tokens_per_s"] = round(trainer.tokens_seen * config.world_size / runtime, 1)
     trainer.save_model(str(out))
+    # Trainer pickles its arguments beside the weights; a published head holds safetensors and JSON only (the
+    # checkpoints keep their copy for --resume).
+    if trainer.is_world_process_zero():
+        (out / "training_args.bin").unlink(missing_ok=True)
     report = {}
     if trainer.is_world_process_zero():
         report = _finish(
