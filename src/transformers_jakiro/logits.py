@@ -17,31 +17,6 @@ from transformers.generation import logits_process as lp
 
 from .tree import DraftTree
 
-_ROW_WISE_NAMES = (
-    "MinLengthLogitsProcessor",
-    "MinNewTokensLengthLogitsProcessor",
-    "TemperatureLogitsWarper",
-    "RepetitionPenaltyLogitsProcessor",
-    "TopPLogitsWarper",
-    "TopKLogitsWarper",
-    "TopHLogitsWarper",
-    "MinPLogitsWarper",
-    "TypicalLogitsWarper",
-    "EpsilonLogitsWarper",
-    "EtaLogitsWarper",
-    "NoRepeatNGramLogitsProcessor",
-    "SequenceBiasLogitsProcessor",
-    "NoBadWordsLogitsProcessor",
-    "ForcedBOSTokenLogitsProcessor",
-    "ForcedEOSTokenLogitsProcessor",
-    "InfNanRemoveLogitsProcessor",
-    "ExponentialDecayLengthPenalty",
-    "LogitNormalization",
-    "SuppressTokensAtBeginLogitsProcessor",
-    "SuppressTokensLogitsProcessor",
-)
-ROW_WISE_PROCESSORS = tuple(getattr(lp, name) for name in _ROW_WISE_NAMES if hasattr(lp, name))
-
 # Row-wise processors that ignore the ids entirely: a list made only of these runs on all nodes in one call,
 # without grouping nodes by depth (which needs the depths on the host: a device sync per round).
 _PREFIX_FREE_NAMES = (
@@ -57,7 +32,23 @@ _PREFIX_FREE_NAMES = (
     "LogitNormalization",
     "SuppressTokensLogitsProcessor",
 )
+# Row-wise processors whose result depends on the row's own ids (its length or content).
+_PREFIX_DEPENDENT_NAMES = (
+    "MinLengthLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor",
+    "RepetitionPenaltyLogitsProcessor",
+    "NoRepeatNGramLogitsProcessor",
+    "SequenceBiasLogitsProcessor",
+    "NoBadWordsLogitsProcessor",
+    "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor",
+    "ExponentialDecayLengthPenalty",
+    "SuppressTokensAtBeginLogitsProcessor",
+)
 PREFIX_FREE_PROCESSORS = tuple(getattr(lp, name) for name in _PREFIX_FREE_NAMES if hasattr(lp, name))
+ROW_WISE_PROCESSORS = PREFIX_FREE_PROCESSORS + tuple(
+    getattr(lp, name) for name in _PREFIX_DEPENDENT_NAMES if hasattr(lp, name)
+)
 
 
 def check_processors(processors: LogitsProcessorList) -> None:
