@@ -204,6 +204,29 @@ def _check_supported(target, draft, input_ids, processors, model_kwargs) -> None
     draft.bind_target(target)  # checks shapes every call: the draft may have been bound to another target before
 
 
+def verify_tree(target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool):
+    """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
+    depth), per-node logits processing, acceptance, and the cache cut back to the accepted path.
+
+    Returns (path, bonus, processed logits, raw logits, target hidden states), the last three at the path's nodes.
+    `sequence` ([1, length], ending with the root token) is what the logits processors see as the prefix.
+    """
+    past = cache.get_seq_length()
+    out = target(
+        input_ids=tree.tokens[None],
+        position_ids=tree.position_ids(past),
+        attention_mask=tree.attention_mask(past, target.dtype),
+        use_cache=True,
+        output_hidden_states=True,
+        **{cache_kwarg: cache},
+    )
+    raw = out.logits[0].float()
+    processed = process_tree_logits(processors, sequence, tree, raw)
+    path, bonus = verification.verify(tree, processed, do_sample)
+    keep_accepted(cache, past, path)
+    return path, bonus, processed[path], raw[path], out.hidden_states[-1][0, path]
+
+
 @torch.no_grad()
 def jakiro_decode(
     target,
@@ -282,23 +305,13 @@ def jakiro_decode(
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
-        past = cache.get_seq_length()
-        out = target(
-            input_ids=tree.tokens[None],
-            position_ids=tree.position_ids(past),
-            attention_mask=tree.attention_mask(past, target.dtype),
-            use_cache=True,
-            output_hidden_states=True,
-            **{cache_kwarg: cache},
+        path, bonus, processed, raw, features = verify_tree(
+            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample
         )
-        raw = out.logits[0].float()
-        processed = process_tree_logits(logits_processor, sequence, tree, raw)
-        path, bonus = verification.verify(tree, processed, do_sample)
-        keep_accepted(cache, past, path)
-        candidates.set_features(out.hidden_states[-1][0, path])
+        candidates.set_features(features)
         new_tokens = torch.cat([tree.tokens[path[1:]], bonus[None]]).tolist()  # the one host sync of the round
         stats.verify_time_s += time.perf_counter() - tic
-        finished = emit(new_tokens, processed[path], raw[path])
+        finished = emit(new_tokens, processed, raw)
 
     truncate(cache, sequence.shape[1] - padding - 1)  # a stop inside an accepted path leaves extra positions
     if streamer is not None:
@@ -412,4 +425,5 @@ __all__ = [
     "jakiro_decode",
     "jakiro_generate",
     "tree_settings",
+    "verify_tree",
 ]

@@ -1,0 +1,143 @@
+"""Cost of one full Jakiro round against one plain decode step, random weights at Llama-2-7B shape.
+
+Sized for one H200 with no network (random bf16 weights, nothing downloaded; about 2 minutes including start-up):
+
+    python benchmarks/gpu/round_cost.py --out benchmarks/results/gpu/round_cost.json
+
+A round is what `generate(..., assistant_model=draft)` does per iteration: the draft extends its cache with the
+accepted tokens and expands the tree (get_candidates), the target verifies the flattened tree in one forward,
+logits are checked, the target cache is compacted to the accepted path and the accepted tokens come back to the
+host. Context length stays fixed: every timed step is undone before the next one. `--shape tiny --device cpu`
+runs the same code in seconds (used by the test suite).
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessorList
+
+from transformers_jakiro import JakiroDraftModel
+from transformers_jakiro.generation import JakiroCandidateGenerator, TreeSettings, _cache_kwarg, verify_tree
+from transformers_jakiro.kv_cache import new_target_cache, truncate
+
+SHAPES = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048),
+}
+
+
+def timed(fn, device, repeats: int, warmup: int) -> list[float]:
+    """Milliseconds per call; CUDA work is synchronised before each clock read."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(1000 * (time.perf_counter() - start))
+    return times
+
+
+@torch.no_grad()
+def measure(shape: str, device: str, dtype: torch.dtype, context: int, total_tokens: int, depth: int, top_k: int,
+            repeats: int, warmup: int) -> dict:
+    device = torch.device(device)
+    torch.manual_seed(0)
+    with device:
+        target = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[shape]), dtype=dtype, attn_implementation="sdpa")
+    target.eval()
+    draft = JakiroDraftModel.from_target(target).eval()
+    cache_kwarg = _cache_kwarg(target)
+    vocab = target.config.vocab_size
+    prompt = torch.randint(3, vocab, (1, context), device=device)
+
+    cache = new_target_cache(target.config)
+    out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_kwarg: cache})
+    first = out.logits[:, -1].argmax(-1, keepdim=True)
+    sequence = torch.cat([prompt, first], dim=1)
+    features = out.hidden_states[-1][0]
+
+    def plain_step():
+        target(input_ids=first, use_cache=True, logits_to_keep=1, **{cache_kwarg: cache}).logits.argmax(-1).tolist()
+        truncate(cache, context)
+
+    settings = TreeSettings(total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=True)
+    candidates = JakiroCandidateGenerator(draft, settings)
+    parts = {"draft": [], "verify": []}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    # Steady state: the draft cache holds the context; each round extends it by the one newly accepted position
+    # (the bonus token of the previous round) before expanding the tree.
+    candidates.set_features(features[:-1])
+    candidates.get_candidates(sequence[:, :-1])
+    stable = candidates.cache.get_seq_length()
+
+    def jakiro_round():
+        truncate(candidates.cache, stable)
+        candidates.set_features(features[-1:])
+        start = time.perf_counter()
+        tree = candidates.get_candidates(sequence)
+        sync()
+        middle = time.perf_counter()
+        path, bonus, _, _, accepted = verify_tree(
+            target, cache, cache_kwarg, tree, sequence, LogitsProcessorList(), do_sample=False
+        )
+        candidates.set_features(accepted)
+        torch.cat([tree.tokens[path[1:]], bonus[None]]).tolist()
+        sync()
+        parts["draft"].append(1000 * (middle - start))
+        parts["verify"].append(1000 * (time.perf_counter() - middle))
+        truncate(cache, context)  # undo: same context length for the next round
+
+    plain = timed(plain_step, device, repeats, warmup)
+    rounds = timed(jakiro_round, device, repeats, warmup)
+    median = statistics.median
+    result = {
+        "shape": shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.platform(),
+        "dtype": str(dtype).replace("torch.", ""), "context": context,
+        "tree": {"total_tokens": total_tokens, "depth": depth, "top_k": top_k, "levels": depth + 1},
+        "plain_step_ms": round(median(plain), 3), "jakiro_round_ms": round(median(rounds), 3),
+        "draft_ms": round(median(parts["draft"][warmup:]), 3), "verify_ms": round(median(parts["verify"][warmup:]), 3),
+        "repeats": repeats, "torch": torch.__version__, "transformers": transformers.__version__,
+    }
+    result["round_over_plain"] = round(result["jakiro_round_ms"] / result["plain_step_ms"], 3)
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama2-7b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--total-tokens", type=int, default=60)
+    parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--top-k", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    result = measure(args.shape, args.device, getattr(torch, args.dtype), args.context, args.total_tokens,
+                     args.depth, args.top_k, args.repeats, args.warmup)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

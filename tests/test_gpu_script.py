@@ -1,0 +1,19 @@
+"""The H200 round-cost script runs end to end on the CPU at a tiny shape (so it cannot rot between GPU sessions)."""
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu" / "round_cost.py"
+
+
+def test_round_cost_script_tiny_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("round_cost", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "round.json"
+    result = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--repeats", "3",
+                          "--warmup", "1", "--context", "32", "--out", str(out)])
+    assert out.exists()
+    assert result["tree"] == {"total_tokens": 60, "depth": 5, "top_k": 10, "levels": 6}
+    assert result["plain_step_ms"] > 0 and result["jakiro_round_ms"] > 0
+    assert result["round_over_plain"] == round(result["jakiro_round_ms"] / result["plain_step_ms"], 3)
