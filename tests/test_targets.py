@@ -368,9 +368,15 @@ def smol_loads(tmp_path_factory):
     start = time.perf_counter()
     first = load_target(SMOL, cache_dir=cache)
     first_s = time.perf_counter() - start
-    start = time.perf_counter()
-    cached = load_target(SMOL, cache_dir=cache)
-    cached_s = time.perf_counter() - start
+    # The second load must come from the plain copy: finding or hashing the GGUF again is an error here.
+    resolve = targets.resolve_gguf_path
+    targets.resolve_gguf_path = lambda *a, **k: pytest.fail("the cached load went back to the GGUF file")
+    try:
+        start = time.perf_counter()
+        cached = load_target(SMOL, cache_dir=cache)
+        cached_s = time.perf_counter() - start
+    finally:
+        targets.resolve_gguf_path = resolve
     print(f"\nSmolLM2-135M-Instruct: GGUF load {first_s:.1f} s, cached load {cached_s:.2f} s")
     return {"first": first, "cached": cached, "first_s": first_s, "cached_s": cached_s, "cache": cache}
 
@@ -413,8 +419,8 @@ def test_smollm2_generates_identically_from_gguf_and_cache(smol_loads):
 
 
 @pytest.mark.slow
-def test_smollm2_cached_load_is_fast(smol_loads):
-    assert smol_loads["cached_s"] < smol_loads["first_s"] / 4, (smol_loads["first_s"], smol_loads["cached_s"])
+def test_smollm2_cached_load_uses_the_plain_copy(smol_loads):
+    # (load times are printed by the fixture; speed is for benchmarks, not asserted in tests)
     cache = smol_loads["cache"]
     key = REGISTRY[SMOL].cache_key
     assert [p.name for p in cache.iterdir()] == [key]  # no temporary directories left behind
