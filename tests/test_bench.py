@@ -144,3 +144,33 @@ def test_tune_measures_and_chooses(models):
     assert (expected["total_tokens"], expected["depth"]) == (chosen["total_tokens"], chosen["depth"])
     assert result["outputs_identical"] and result["gain_over_default"] > 0
     assert len(result["acceptance"]["12"]["acceptance_rates"]) == 4  # depth 3 + the contrastive level
+
+
+def test_update_head_records_tuning_and_results(models, tmp_path):
+    _, _, draft, _ = models
+    draft.save_pretrained(tmp_path)
+    (tmp_path / "jakiro_training.json").write_text(json.dumps({"summary": {"steps": 60}, "metrics": {"tau": 2.5}}))
+
+    def result(tokens_per_s, tune):
+        row = dict(temperature=0.0, suite="mt_bench", method="jakiro", generations=4, tokens_per_s=tokens_per_s,
+                   speedup=1.25, tau=2.5, match_rate=1.0)
+        out = {
+            "machine": {"dtype": "torch.float32", "device": "cpu", "command": "jakiro bench --tune"},
+            "config": {"max_new_tokens": 64, "tree_settings": {"total_tokens": 8, "depth": 3, "top_k": 4}},
+            "results": [row, {**row, "method": "plain", "speedup": 1.0, "tau": None}],
+        }
+        if tune:
+            out["tune"] = {"chosen": {"total_tokens": 8, "depth": 3}}
+        return out
+
+    bench.update_head(tmp_path, result(10.0, tune=True))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["total_tokens"], config["depth"]) == (8, 3)
+    assert (config["total_tokens"], config["depth"]) != (draft.config.total_tokens, draft.config.depth)
+    bench.update_head(tmp_path, result(12.5, tune=False))  # same dtype and suite: replaces the entry
+    report = json.loads((tmp_path / "jakiro_training.json").read_text())
+    (entry,) = report["benchmarks"].values()
+    assert entry.startswith("12.50 tok/s, 1.25x over plain generate, tau 2.50") and "100%" in entry
+    card = (tmp_path / "README.md").read_text()
+    assert "12.50 tok/s" in card and "10.00 tok/s" not in card and "| steps" not in card and "- steps: 60" in card
+    assert "acceptance length tau" in card  # the training metrics stay

@@ -223,3 +223,28 @@ def test_stats_are_consistent(pairs):
     assert all(1 <= n <= draft.config.depth + 2 for n in stats.accepted_lengths)
     assert stats.draft_time_s > 0 and stats.verify_time_s > 0
     assert stats.as_dict()["mean_accepted_length"] == stats.mean_accepted_length
+
+
+def test_lazy_leaf_logits_match_the_full_logits_path(pairs, monkeypatch):
+    """On CPU only internal nodes get logits in the verify forward (a leaf's are computed if the path ends there);
+    decoding with the full logits (the accelerator path) gives the same tokens, scores and logits."""
+    from transformers_jakiro import generation
+
+    target, draft = pairs("qwen2")
+    prompt = torch.tensor([[7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        out = target(prompt, output_hidden_states=True)
+    assert generation.lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1]) is not None
+    # a model whose logits are more than its output layer's (soft-capping, scaling) keeps the full path
+    assert generation.lazy_leaf_head(target, out.hidden_states[-1][:, -1], 0.5 * out.logits[:, -1]) is None
+
+    kwargs = dict(do_sample=False, max_new_tokens=40, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, no_repeat_ngram_size=3, assistant_model=draft)
+    lazy = target.generate(prompt, **kwargs)
+    lazy_tau = draft.last_generation_stats.mean_accepted_length
+    monkeypatch.setattr(generation, "lazy_leaf_head", lambda *args: None)
+    full = target.generate(prompt, **kwargs)
+    assert torch.equal(lazy.sequences, full.sequences) and lazy_tau > 1.5
+    assert lazy_tau == draft.last_generation_stats.mean_accepted_length
+    for mine, theirs in zip(lazy.scores + lazy.logits, full.scores + full.logits):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)

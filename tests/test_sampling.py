@@ -104,20 +104,27 @@ def test_sampling_matches_exact_target_distribution(target_and_draft):
     assert sample_counts.multi_token_rounds > SAMPLES // 4
 
 
-def classic_wrong_verify(tree, processed_logits, do_sample):
+def classic_wrong_verify(tree, processed_logits, do_sample, leaf_logits=None):
     """A common bug: accept each child x with probability p(x) but, when all are rejected, sample the bonus from
-    the full p instead of the residual with the rejected children removed. Drafted tokens get over-sampled."""
-    probs = torch.softmax(processed_logits.float(), dim=-1)
+    the full p instead of the residual with the rejected children removed. Drafted tokens get over-sampled.
+    (Same interface as `verification.verify`: rows for internal nodes only when `leaf_logits` is given.)"""
+    rows = tree.internal_nodes() if leaf_logits is not None else torch.arange(tree.num_nodes)
+    row_of = {int(node): i for i, node in enumerate(rows)}
+
+    def probs(node):
+        logits = processed_logits[row_of[node]] if node in row_of else leaf_logits(torch.tensor(node))
+        return torch.softmax(logits.float(), dim=-1)
+
     parents = tree.parents.tolist()
     path, node = [0], 0
     while True:
         for child in [i for i, p in enumerate(parents) if p == node]:
-            if torch.rand(()) < probs[node, tree.tokens[child]]:
+            if torch.rand(()) < probs(node)[tree.tokens[child]]:
                 path.append(child)
                 node = child
                 break
         else:
-            return torch.tensor(path), torch.multinomial(probs[node], 1)[0]
+            return torch.tensor(path), torch.multinomial(probs(node), 1)[0]
 
 
 def test_wrong_acceptance_rule_is_detected(target_and_draft, monkeypatch):
@@ -130,8 +137,13 @@ def test_wrong_acceptance_rule_is_detected(target_and_draft, monkeypatch):
     assert chi_square_p_value(counts, probs) < 1e-6
 
 
-def test_generate_entry_point_samples_the_same_distribution(target_and_draft):
-    """Through target.generate(do_sample=True, temperature=..., assistant_model=draft): first two tokens."""
+def test_generate_entry_point_samples_the_same_distribution(target_and_draft, monkeypatch):
+    """Through target.generate(do_sample=True, temperature=..., assistant_model=draft): first two tokens. This one
+    keeps the full logits of every tree node (the accelerator path); the tests above run the CPU path, where leaves'
+    logits are computed only when the accepted path ends there."""
+    from transformers_jakiro import generation
+
+    monkeypatch.setattr(generation, "lazy_leaf_head", lambda *args: None)
     target, draft = target_and_draft
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.8)])
     three = exact_distribution(target, processors).reshape(VOCAB, VOCAB, VOCAB)

@@ -93,6 +93,7 @@ def test_masks_positions_paths_match_brute_force(case, past):
     children = {p for p in parents[1:]}
     leaves = [i for i in range(n) if i not in children]
     assert tree.leaves().tolist() == leaves
+    assert tree.internal_nodes().tolist() == sorted(children)
     paths = tree.paths()
     assert paths.shape == (len(leaves), int(tree.depths.max()) + 1)
     for row, leaf in zip(paths.tolist(), leaves):

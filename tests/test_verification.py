@@ -12,7 +12,7 @@ from transformers.generation.logits_process import MinNewTokensLengthLogitsProce
 
 from transformers_jakiro.logits import path_tokens, process_tree_logits
 from transformers_jakiro.tree import DraftTree, ancestor_matrix
-from transformers_jakiro.verification import accept, target_choices
+from transformers_jakiro.verification import accept, target_choices, verify
 
 
 def hand_tree():
@@ -107,3 +107,29 @@ def test_prefix_free_processors_leave_raw_logits_untouched():
     got = process_tree_logits(processors, torch.tensor([[1, 10]]), tree, logits)
     assert torch.equal(logits, before)
     assert torch.equal(got, processors(torch.tensor([[1, 10]]).expand(7, -1), before.clone()))
+
+
+def test_lazy_leaf_logits_give_the_same_verdict():
+    """verify() with rows for internal nodes only plus a leaf callback decides exactly as with every row, and asks
+    for a leaf's logits only when the path ends at that leaf."""
+    tree = hand_tree()
+    internal = tree.internal_nodes()
+    assert internal.tolist() == [0, 1, 2, 3]
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        logits = torch.randn(7, 12, generator=g)
+        # make some children the target's pick, so that paths of every length occur
+        for node in range(7):
+            children = [c for c in range(7) if tree.parents[c] == node]
+            if children and trial % 3:
+                logits[node, tree.tokens[children[trial % len(children)]]] += 10.0
+        asked = []
+
+        def leaf_logits(node):
+            asked.append(int(node))
+            return logits[node]
+
+        expected = verify(tree, logits, do_sample=False)
+        got = verify(tree, logits[internal], do_sample=False, leaf_logits=leaf_logits)
+        assert torch.equal(got[0], expected[0]) and got[1].item() == expected[1].item()
+        assert asked == ([int(expected[0][-1])] if int(expected[0][-1]) not in internal.tolist() else [])

@@ -48,8 +48,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from transformers import LogitsProcessorList
 
-from .generation import JakiroCandidateGenerator, TreeSettings, tree_settings
+from .generation import (
+    JakiroCandidateGenerator,
+    TreeSettings,
+    _cache_kwarg,
+    lazy_leaf_head,
+    tree_settings,
+    verify_tree,
+)
 from .kv_cache import new_target_cache, truncate
 from .tree import DraftTree
 
@@ -304,10 +312,10 @@ def _prefix_tree(tree: DraftTree, n: int) -> DraftTree:
 def measure_costs(target, draft, input_ids, sizes=TUNE_SIZES, depths=TUNE_DEPTHS, repeats: int = 3) -> dict:
     """Seconds of one verify forward per tree size and of one draft round per depth, at `input_ids`' length.
 
-    Verify: the target's cache holds the prompt; a real draft tree cut to n tokens goes through the target with its
-    tree mask (hidden states on, as in decoding) and the cache is cut back after each forward. Draft: a steady-state
+    Verify: the target's cache holds the prompt; a real draft tree cut to n tokens goes through `verify_tree` (the
+    forward with its tree mask, acceptance, cache compaction, as in greedy decoding) and the cache is cut back after
+    each round; n = 0 is a plain one-token decoding step. Draft: a steady-state
     round, one newly accepted position read plus the expansion, with the default top_k and the contrastive level."""
-    from .generation import _cache_kwarg
 
     draft.bind_target(target)
     device = input_ids.device
@@ -337,14 +345,16 @@ def measure_costs(target, draft, input_ids, sizes=TUNE_SIZES, depths=TUNE_DEPTHS
         draft_s[depth] = _median_time(lambda: draft_round(generator), repeats, device)
 
     _, big_tree = fresh_generator(max(sizes), max(depths))
+    leaf_head = lazy_leaf_head(target, features[-1:], out.logits[0, -1:])
     verify_s = {}
     for n in [0, *sizes]:  # n = 0: one token, the cost of a plain decoding step
         tree = _prefix_tree(big_tree, n).to_device(target.get_input_embeddings().weight.device)
 
         def verify():
-            target(input_ids=tree.tokens[None], position_ids=tree.position_ids(past),
-                   attention_mask=tree.attention_mask(past, target.dtype), use_cache=True,
-                   output_hidden_states=True, **{cache_kwarg: cache})
+            if n == 0:  # plain decoding: one token, its logits
+                target(input_ids=tree.tokens[None], use_cache=True, **{cache_kwarg: cache})
+            else:  # the whole verification round as decoding runs it
+                verify_tree(target, cache, cache_kwarg, tree, context, LogitsProcessorList(), False, leaf_head)
             truncate(cache, past)
 
         verify()  # warm-up
@@ -675,6 +685,51 @@ def write_outputs(result: dict, out_dir: str | os.PathLike) -> dict:
     return result["files"]
 
 
+def head_metrics(result: dict) -> dict:
+    """The benchmark's headline numbers for a head's model card: one entry per (suite, temperature) of the jakiro
+    rows, keyed so that a later run in the same dtype on the same suite replaces the entry."""
+    machine = result["machine"]
+    where = f"{machine['dtype']}, {machine['device']}" + (f" {machine['gpu']}" if "gpu" in machine else "")
+    entries = {}
+    for row in result["results"]:
+        if row["method"] != "jakiro":
+            continue
+        settings = result["config"].get("tree_settings", {})
+        text = (f"{row['tokens_per_s']:.2f} tok/s, {_fmt(row['speedup'], 2, 'x')} over plain generate, "
+                f"tau {_fmt(row['tau'])}")
+        if row["match_rate"] is not None:
+            text += f", outputs identical to plain on {row['match_rate']:.0%} of generations"
+        text += (f" ({row['generations']} generations, max_new_tokens={result['config']['max_new_tokens']}, "
+                 f"tree {settings.get('total_tokens')}/{settings.get('depth')}/{settings.get('top_k')})")
+        entries[f"jakiro bench: {row['suite']}, temperature {row['temperature']:g} ({where})"] = text
+    return entries
+
+
+def update_head(draft_dir: str | os.PathLike, result: dict) -> dict:
+    """Record a benchmark in a saved head: tuned tree settings (if the run tuned) become the defaults in config.json,
+    and the headline numbers join `jakiro_training.json` and the model card (README.md). Returns the card metrics."""
+    from .configuration_jakiro import JakiroConfig
+    from .hub import build_model_card
+    from .modeling_jakiro import JakiroDraftModel
+
+    draft_dir = Path(draft_dir)
+    if "tune" in result:
+        config = JakiroConfig.from_pretrained(draft_dir)
+        config.total_tokens = result["tune"]["chosen"]["total_tokens"]
+        config.depth = result["tune"]["chosen"]["depth"]
+        config.save_pretrained(draft_dir)
+    report_path = draft_dir / "jakiro_training.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {"summary": {}, "metrics": {}}
+    report.setdefault("benchmarks", {}).update(head_metrics(result))
+    if "tune" in result:
+        report["tree_settings_tuned_by"] = result["machine"]["command"]
+    report_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    metrics = {**report.get("metrics", {}), **report["benchmarks"]}
+    draft = JakiroDraftModel.from_pretrained(str(draft_dir))
+    build_model_card(draft, training_summary=report.get("summary"), metrics=metrics).save(str(draft_dir / "README.md"))
+    return metrics
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------------------
@@ -715,6 +770,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tune", action="store_true", help="tune total_tokens/depth for this machine first")
     parser.add_argument("--out", default=None, help="directory for results.json, results.md, speedup.png")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--update-head", action="store_true", help="write the results into the --draft directory: "
+                        "tuned tree settings into config.json (with --tune), headline numbers into the model card")
 
 
 def run(args) -> int:
@@ -738,6 +795,11 @@ def run(args) -> int:
     )
     print()
     print(markdown_table(result))
+    if args.update_head:
+        if not args.draft or not Path(args.draft).is_dir():
+            raise SystemExit("bench: --update-head needs --draft DIR, a saved head")
+        update_head(args.draft, result)
+        print(f"bench: updated {args.draft} (config.json tree settings, README.md model card)")
     if args.out:
         print(f"bench: wrote {', '.join(v for v in result['files'].values() if v)}")
     return 0
@@ -754,10 +816,12 @@ __all__ = [
     "acceptance_profile",
     "choose_tree_settings",
     "expected_tokens_per_round",
+    "head_metrics",
     "load_suite",
     "markdown_table",
     "measure_costs",
     "run_benchmark",
     "tune",
+    "update_head",
     "write_outputs",
 ]

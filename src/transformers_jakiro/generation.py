@@ -204,27 +204,70 @@ def _check_supported(target, draft, input_ids, processors, model_kwargs) -> None
     draft.bind_target(target)  # checks shapes every call: the draft may have been bound to another target before
 
 
-def verify_tree(target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool):
+def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor):
+    """The target's output layer, when leaf logits may be left to `verify_tree` to compute lazily; else None.
+
+    Most tree nodes are leaves, and a leaf's logits matter only when the accepted path ends there, so the target's
+    forward can keep logits for internal nodes only (`logits_to_keep` with node indices) and apply its output layer
+    to one leaf afterwards. That saves most of the lm_head's share of a verify forward (a fifth of SmolLM2-135M's
+    weights) on a CPU, where compute grows with every row; on an accelerator extra rows are nearly free and the
+    extra host sync is not, so the full logits are kept there. `last_hidden`/`last_logits` (the prefill's last
+    position) check that the output layer alone reproduces the model's logits: models that scale or soft-cap logits
+    after it keep the full path.
+    """
+    if last_hidden.device.type != "cpu" or "logits_to_keep" not in inspect.signature(target.forward).parameters:
+        return None
+    head = target.get_output_embeddings()
+    if head is None:
+        return None
+    reproduced = head(last_hidden).float()
+    return head if torch.allclose(reproduced, last_logits.float(), rtol=1e-3, atol=1e-3) else None
+
+
+def verify_tree(target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool, leaf_head=None):
     """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
     depth), per-node logits processing, acceptance, and the cache cut back to the accepted path.
 
     Returns (path, bonus, processed logits, raw logits, target hidden states), the last three at the path's nodes.
     `sequence` ([1, length], ending with the root token) is what the logits processors see as the prefix.
+    `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at most one leaf after.
     """
     past = cache.get_seq_length()
+    internal = tree.internal_nodes() if leaf_head is not None else None
     out = target(
         input_ids=tree.tokens[None],
         position_ids=tree.position_ids(past),
         attention_mask=tree.attention_mask(past, target.dtype),
         use_cache=True,
         output_hidden_states=True,
+        **({} if internal is None else {"logits_to_keep": internal}),
         **{cache_kwarg: cache},
     )
+    features = out.hidden_states[-1][0]
     raw = out.logits[0].float()
-    processed = process_tree_logits(processors, sequence, tree, raw)
-    path, bonus = verification.verify(tree, processed, do_sample)
+    processed = process_tree_logits(processors, sequence, tree, raw, nodes=internal)
+    if internal is None:
+        path, bonus = verification.verify(tree, processed, do_sample)
+        keep_accepted(cache, past, path)
+        return path, bonus, processed[path], raw[path], features[path]
+
+    leaf = {}
+
+    def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
+        leaf["raw"] = leaf_head(features[node][None]).float()
+        leaf["processed"] = process_tree_logits(processors, sequence, tree, leaf["raw"], nodes=node[None])
+        return leaf["processed"][0]
+
+    path, bonus = verification.verify(tree, processed, do_sample, leaf_logits)
     keep_accepted(cache, past, path)
-    return path, bonus, processed[path], raw[path], out.hidden_states[-1][0, path]
+    row = torch.full_like(tree.tokens, -1)
+    row[internal] = torch.arange(internal.numel(), device=internal.device)
+    if leaf:  # every node of the path but the last is internal
+        rows = row[path[:-1]]
+        processed, raw = torch.cat([processed[rows], leaf["processed"]]), torch.cat([raw[rows], leaf["raw"]])
+    else:
+        processed, raw = processed[row[path]], raw[row[path]]
+    return path, bonus, processed, raw, features[path]
 
 
 @torch.no_grad()
@@ -296,6 +339,7 @@ def jakiro_decode(
     processed = logits_processor(sequence, raw.clone())
     first = verification.target_choices(processed, do_sample)
     candidates.set_features(out.hidden_states[-1][0])
+    leaf_head = lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1])
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first.tolist(), processed, raw)
 
@@ -306,7 +350,7 @@ def jakiro_decode(
 
         tic = time.perf_counter()
         path, bonus, processed, raw, features = verify_tree(
-            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample
+            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head
         )
         candidates.set_features(features)
         new_tokens = torch.cat([tree.tokens[path[1:]], bonus[None]]).tolist()  # the one host sync of the round
@@ -363,37 +407,21 @@ def _is_jakiro_draft(model) -> bool:
 _STOCK_ASSISTED_DECODING = GenerationMixin._assisted_decoding
 
 
-def _assisted_decoding(
-    self,
-    input_ids,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus=False,
-    streamer=None,
-    inputs_tensor=None,
-    assistant_model=None,
-    assistant_tokenizer=None,
-    tokenizer=None,
-    **model_kwargs,
-):
-    if not _is_jakiro_draft(assistant_model):
+# Keyword arguments `generate` hands to every assisted-decoding implementation that tree decoding does not use.
+_GENERATE_ONLY_KWARGS = ("synced_gpus", "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer")
+
+
+def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+    """Replaces `GenerationMixin._assisted_decoding`: a Jakiro draft takes the tree path, anything else the stock one."""
+    if not _is_jakiro_draft(kwargs.get("assistant_model")):
         return _STOCK_ASSISTED_DECODING(
-            self,
-            input_ids,
-            logits_processor,
-            stopping_criteria,
-            generation_config,
-            synced_gpus=synced_gpus,
-            streamer=streamer,
-            inputs_tensor=inputs_tensor,
-            assistant_model=assistant_model,
-            assistant_tokenizer=assistant_tokenizer,
-            tokenizer=tokenizer,
-            **model_kwargs,
+            self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs
         )
+    draft = kwargs["assistant_model"]
+    streamer = kwargs.pop("streamer", None)
+    model_kwargs = {key: value for key, value in kwargs.items() if key not in _GENERATE_ONLY_KWARGS}
     return jakiro_decode(
-        self, input_ids, logits_processor, stopping_criteria, generation_config, assistant_model, streamer, **model_kwargs
+        self, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, **model_kwargs
     )
 
 
@@ -424,6 +452,7 @@ __all__ = [
     "install_generate_hook",
     "jakiro_decode",
     "jakiro_generate",
+    "lazy_leaf_head",
     "tree_settings",
     "verify_tree",
 ]

@@ -74,21 +74,28 @@ def path_tokens(tree: DraftTree) -> torch.LongTensor:
 
 
 def process_tree_logits(
-    processors: LogitsProcessorList, input_ids: torch.LongTensor, tree: DraftTree, logits: torch.Tensor
+    processors: LogitsProcessorList,
+    input_ids: torch.LongTensor,
+    tree: DraftTree,
+    logits: torch.Tensor,
+    nodes: torch.LongTensor | None = None,
 ) -> torch.Tensor:
     """Apply `processors` to every node's logits ([n, vocab], float32) with that node's own prefix.
 
-    `input_ids` [1, L] ends with the root token, which is already part of the sequence.
+    `input_ids` [1, L] ends with the root token, which is already part of the sequence. With `nodes` ([m] node
+    indices), `logits` holds the rows of those nodes only ([m, vocab]).
     """
     if len(processors) == 0:
         return logits
     if all(type(processor) in PREFIX_FREE_PROCESSORS for processor in processors):
-        return processors(input_ids.expand(tree.num_nodes, -1), logits.clone())  # processors may work in place
-    tokens = path_tokens(tree)
-    depths = tree.depths.tolist()
+        return processors(input_ids.expand(logits.shape[0], -1), logits.clone())  # processors may work in place
+    if nodes is None:
+        nodes = torch.arange(tree.num_nodes, device=logits.device)
+    tokens = path_tokens(tree)[nodes]
+    depths = tree.depths[nodes]
     out = torch.empty_like(logits)
-    for depth in sorted(set(depths)):
-        rows = torch.nonzero(tree.depths == depth).flatten()
+    for depth in sorted(set(depths.tolist())):
+        rows = torch.nonzero(depths == depth).flatten()
         prefix = torch.cat([input_ids.expand(rows.numel(), -1), tokens[rows, 1 : depth + 1]], dim=1)
         out[rows] = processors(prefix, logits[rows])
     return out

@@ -54,10 +54,18 @@ class DraftTree:
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.tokens.device)
         return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 
-    def leaves(self) -> torch.LongTensor:
+    def has_children(self) -> torch.BoolTensor:
+        """[n] True for nodes with at least one child."""
         has_child = torch.zeros(self.num_nodes, dtype=torch.bool, device=self.tokens.device)
         has_child[self.parents[1:]] = True
-        return torch.nonzero(~has_child).flatten()
+        return has_child
+
+    def leaves(self) -> torch.LongTensor:
+        return torch.nonzero(~self.has_children()).flatten()
+
+    def internal_nodes(self) -> torch.LongTensor:
+        """Nodes with children, ascending: the only nodes whose target choice decides which child is accepted."""
+        return torch.nonzero(self.has_children()).flatten()
 
     def paths(self) -> torch.LongTensor:
         """[num_leaves, max_depth + 1] node indices from the root to each leaf, right-padded with -1."""

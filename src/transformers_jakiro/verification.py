@@ -14,6 +14,8 @@ target's own distribution given its prefix. Picks at nodes off the realised path
 all at once in one batched `multinomial` changes nothing.
 """
 
+from collections.abc import Callable
+
 import torch
 
 from .tree import DraftTree
@@ -43,9 +45,28 @@ def accept(tree: DraftTree, choices: torch.LongTensor) -> tuple[torch.LongTensor
     return path, choices[deepest]
 
 
-def verify(tree: DraftTree, processed_logits: torch.Tensor, do_sample: bool) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """One round's verdict from the target's processed logits at every node: (accepted path, bonus token)."""
-    return accept(tree, target_choices(processed_logits, do_sample))
+def verify(
+    tree: DraftTree,
+    processed_logits: torch.Tensor,
+    do_sample: bool,
+    leaf_logits: Callable[[torch.LongTensor], torch.Tensor] | None = None,
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """One round's verdict from the target's processed logits: (accepted path, bonus token).
+
+    `processed_logits` holds a row for every node; or, when `leaf_logits` is given, rows for `tree.internal_nodes()`
+    only, and `leaf_logits(node)` returns the processed logits [vocab] of a leaf. Only internal nodes' choices decide
+    which children are accepted, so a leaf's logits are needed only when the path ends there: `leaf_logits` is called
+    at most once (after a host sync). The target's picks are independent per node, so drawing the leaf's pick later
+    samples the same distribution.
+    """
+    if leaf_logits is None:
+        return accept(tree, target_choices(processed_logits, do_sample))
+    choices = torch.full_like(tree.tokens, -1)
+    choices[tree.internal_nodes()] = target_choices(processed_logits, do_sample)
+    path, bonus = accept(tree, choices)
+    if int(bonus) < 0:  # the path ends at a leaf
+        bonus = target_choices(leaf_logits(path[-1])[None], do_sample)[0]
+    return path, bonus
 
 
 __all__ = ["accept", "target_choices", "verify"]
