@@ -88,6 +88,9 @@ def test_incremental_cache_equals_full_forward_and_bf16_runs():
     target_bf16 = make_target("llama", dtype=torch.bfloat16)
     draft_bf16 = JakiroDraftModel.from_target(target_bf16)
     assert draft_bf16.fc.weight.dtype == torch.bfloat16
+    # RoPE frequencies stay exact float32 through dtype casts (a bf16 copy would shift the rotations)
+    assert torch.equal(draft_bf16.rotary_emb.inv_freq, draft.rotary_emb.inv_freq)
+    assert torch.equal(draft_bf16.float().to(torch.bfloat16).rotary_emb.inv_freq, draft.rotary_emb.inv_freq)
     out = draft_bf16(input_ids=ids, hidden_states=features.bfloat16())
     assert out.last_hidden_state.dtype == torch.bfloat16 and torch.isfinite(out.last_hidden_state).all()
     prompt = torch.tensor([[5, 6, 7]])

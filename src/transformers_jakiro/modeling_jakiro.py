@@ -71,6 +71,14 @@ class JakiroRotaryEmbedding(nn.Module):
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # `.to(torch.bfloat16)` casts floating buffers too; bf16 frequencies are off by up to 0.2%, which shifts
+        # rotations by a fraction of a radian a few hundred positions away. Follow device moves, stay float32.
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float32)
