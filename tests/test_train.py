@@ -276,11 +276,16 @@ def test_cli_train(tmp_path, capsys, target, tokenizer, data_file):
         "2",
         "--logging-steps",
         "1",
+        "--save-dtype",
+        "bfloat16",
     ]
     assert cli.main(argv) == 0
     assert "tau = " in capsys.readouterr().out
-    assert JakiroDraftModel.from_pretrained(out).config.total_tokens == 4
-    assert "jakiro train --target" in (out / "README.md").read_text()
+    head = JakiroDraftModel.from_pretrained(out)
+    assert head.config.total_tokens == 4 and head.fc.weight.dtype == torch.bfloat16
+    assert "jakiro train --target" in (out / "README.md").read_text() and "--save-dtype bfloat16" in (
+        out / "README.md"
+    ).read_text()
 
     assert (
         cli.main(["train", "--target", str(tmp_path / "missing-model"), "--data", str(data_file), "--out", str(out)])

@@ -412,11 +412,14 @@ def train_head(
     head_overrides: dict | None = None,
     target_name: str | None = None,
     command: str | None = None,
+    save_dtype: torch.dtype | None = None,
 ) -> dict:
     """Train a head on ShareGPT JSONL `data_path` into `config.output_dir`, measure tau, write the model card.
 
     Tau is measured on `eval_prompts`, else on the last `eval_size` conversations of the data, which are then held
-    out of training (`eval_size=0`: no evaluation). Returns a report dict (training summary, metrics).
+    out of training (`eval_size=0`: no evaluation). `save_dtype` (e.g. torch.bfloat16, half the size) is the dtype of
+    the published weights; training keeps fp32 master weights and tau is measured with the weights as saved.
+    Returns a report dict (training summary, metrics).
     """
     started = time.time()
     out = Path(config.output_dir)
@@ -475,6 +478,8 @@ def train_head(
     # checkpoints keep their copy for --resume).
     if trainer.is_world_process_zero():
         (out / "training_args.bin").unlink(missing_ok=True)
+        if save_dtype is not None and save_dtype != torch.float32:
+            save_as(out, save_dtype)
     report = {}
     if trainer.is_world_process_zero():
         report = _finish(
@@ -493,6 +498,12 @@ def train_head(
         )
     trainer.accelerator.wait_for_everyone()
     return report
+
+
+def save_as(head_dir, dtype: torch.dtype) -> None:
+    """Rewrite the saved head in `head_dir` with its weights in `dtype` (the model card, if any, is kept)."""
+    head = JakiroDraftModel.from_pretrained(str(head_dir), dtype=torch.float32)
+    head.to(dtype).save_pretrained(str(head_dir), write_model_card=False)
 
 
 def _finish(
@@ -578,6 +589,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-prompts", default=None, help="JSONL of prompts to measure tau on after training")
     parser.add_argument("--eval-size", type=int, default=4, help="else hold out this many conversations (0: no eval)")
     parser.add_argument("--eval-max-new-tokens", type=int, default=64)
+    parser.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the published weights (bfloat16: half the size); training stays fp32")
     for name in ("total-tokens", "depth", "top-k"):
         parser.add_argument(f"--{name}", type=int, default=None, help="tree default stored in the head's config")
 
@@ -609,7 +622,8 @@ def _command(args) -> str:
     """The command line that ran, rebuilt from the parsed options (for the model card)."""
     parts = ["jakiro train"]
     for key, value in vars(args).items():
-        if key in ("func", "command") or value in (None, False) or (key == "eval_size" and value == 4):
+        defaults = (key == "eval_size" and value == 4) or (key == "save_dtype" and value == "float32")
+        if key in ("func", "command") or value in (None, False) or defaults:
             continue
         parts.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
     return " ".join(parts)
@@ -640,6 +654,7 @@ def run(args) -> int:
         head_overrides=heads,
         target_name=args.target,
         command=_command(args),
+        save_dtype=getattr(torch, args.save_dtype),
     )
     return 0
 
