@@ -156,8 +156,9 @@ def test_update_head_records_tuning_and_results(models, tmp_path):
                    speedup=1.25, tau=2.5, match_rate=1.0)
         out = {
             "machine": {"dtype": "torch.float32", "device": "cpu", "command": "jakiro bench --tune"},
-            "config": {"max_new_tokens": 64, "tree_settings": {"total_tokens": 8, "depth": 3, "top_k": 4}},
-            "results": [row, {**row, "method": "plain", "speedup": 1.0, "tau": None}],
+            "config": {"suites": ["mt_bench"], "max_new_tokens": 64,
+                       "tree_settings": {"total_tokens": 8, "depth": 3, "top_k": 4}},
+            "results": [row, {**row, "method": "plain", "speedup": 1.0, "tau": None}, {**row, "suite": "overall"}],
         }
         if tune:
             out["tune"] = {"chosen": {"total_tokens": 8, "depth": 3}}
@@ -169,8 +170,14 @@ def test_update_head_records_tuning_and_results(models, tmp_path):
     assert (config["total_tokens"], config["depth"]) != (draft.config.total_tokens, draft.config.depth)
     bench.update_head(tmp_path, result(12.5, tune=False))  # same dtype and suite: replaces the entry
     report = json.loads((tmp_path / "jakiro_training.json").read_text())
-    (entry,) = report["benchmarks"].values()
+    (entry,) = report["benchmarks"].values()  # one suite: no separate "overall" entry
     assert entry.startswith("12.50 tok/s, 1.25x over plain generate, tau 2.50") and "100%" in entry
     card = (tmp_path / "README.md").read_text()
     assert "12.50 tok/s" in card and "10.00 tok/s" not in card and "| steps" not in card and "- steps: 60" in card
     assert "acceptance length tau" in card  # the training metrics stay
+    two_suites = result(9.0, tune=False)
+    two_suites["config"]["suites"] = ["mt_bench", "alpaca"]
+    assert set(bench.head_metrics(two_suites)) == {
+        "jakiro bench: mt_bench, temperature 0 (torch.float32, cpu)",
+        "jakiro bench: mt_bench+alpaca, temperature 0 (torch.float32, cpu)",
+    }

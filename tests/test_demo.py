@@ -52,3 +52,17 @@ def test_demo_missing_head_explains(monkeypatch):
     monkeypatch.setattr(demo, "find_head", lambda: None)
     with pytest.raises(FileNotFoundError, match="jakiro train"):
         demo.load_demo_models(None)
+
+
+def test_demo_explains_bf16_near_ties(models, monkeypatch):
+    target, tokenizer, draft = models
+    from transformers_jakiro.generation import JakiroGenerationStats
+
+    draft.last_generation_stats = JakiroGenerationStats(new_tokens=3, rounds=2)
+    # plain and Jakiro differ in the last token, as a near-tie in bf16 can make them
+    monkeypatch.setattr(demo, "_generate", lambda t, i, d, s, st: ([1, 2, 3] if d is None else [1, 2, 4], 0.1))
+    for dtype, explained in ((torch.float32, False), (torch.bfloat16, True)):
+        monkeypatch.setattr(type(target), "dtype", property(lambda self: dtype))
+        out = io.StringIO()
+        demo.run_demo(target, tokenizer, draft, ["Say hi."], max_new_tokens=4, file=out)
+        assert ("near-tie" in out.getvalue()) == explained and out.getvalue().rstrip().endswith(("0/1", "comparison."))

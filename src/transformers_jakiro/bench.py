@@ -691,9 +691,11 @@ def head_metrics(result: dict) -> dict:
     machine = result["machine"]
     where = f"{machine['dtype']}, {machine['device']}" + (f" {machine['gpu']}" if "gpu" in machine else "")
     entries = {}
+    suites = result["config"].get("suites") or sorted({r["suite"] for r in result["results"]} - {"overall"})
     for row in result["results"]:
-        if row["method"] != "jakiro":
+        if row["method"] != "jakiro" or (row["suite"] == "overall" and len(suites) < 2):
             continue
+        suite = "+".join(suites) if row["suite"] == "overall" else row["suite"]
         settings = result["config"].get("tree_settings", {})
         text = (f"{row['tokens_per_s']:.2f} tok/s, {_fmt(row['speedup'], 2, 'x')} over plain generate, "
                 f"tau {_fmt(row['tau'])}")
@@ -701,7 +703,7 @@ def head_metrics(result: dict) -> dict:
             text += f", outputs identical to plain on {row['match_rate']:.0%} of generations"
         text += (f" ({row['generations']} generations, max_new_tokens={result['config']['max_new_tokens']}, "
                  f"tree {settings.get('total_tokens')}/{settings.get('depth')}/{settings.get('top_k')})")
-        entries[f"jakiro bench: {row['suite']}, temperature {row['temperature']:g} ({where})"] = text
+        entries[f"jakiro bench: {suite}, temperature {row['temperature']:g} ({where})"] = text
     return entries
 
 

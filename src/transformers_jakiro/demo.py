@@ -19,10 +19,13 @@ from transformers import TextStreamer
 
 TARGET = "smollm2-135m-instruct"
 HEAD_NAME = "jakiro-smollm2-135m-instruct"
+# General prompts, and one math word problem like most of the shipped head's training data (a GSM8K training question
+# that is not among the prompts the head was distilled on): the head drafts better in the domain it was trained on.
 PROMPTS = (
     "Name three primary colors and one thing that is usually each color.",
     "Write a Python function that returns the n-th Fibonacci number.",
     "Explain in two sentences why the sky is blue.",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
 )
 TRAIN_HINT = (
     "Train one: write prompts (e.g. scripts/smollm2_prompts.py), let the target answer them, train on the answers:\n"
@@ -135,6 +138,10 @@ def run_demo(
     for row in table:
         print(f"{row['name']:<34} {row['plain_tokens_per_s']:>11.2f} {row['jakiro_tokens_per_s']:>12.2f} "
               f"{row['speedup']:>7.2f}x {row['tau']:>6.2f}  {row['identical']}", file=file)
+    if temperature == 0 and not all(r["identical"] for r in rows) and target.dtype != torch.float32:
+        print(f"\nIn {str(target.dtype).replace('torch.', '')} a verify forward over many tree tokens rounds differently "
+              "from a one-token step, so a near-tie between two tokens can break the other way (transformers' own "
+              "assisted generation does the same). Run with --dtype float32 for a token-for-token comparison.", file=file)
     return {"rows": rows, "table": table}
 
 
@@ -144,7 +151,9 @@ def load_demo_models(draft_spec: str | None = None, dtype: str = "auto"):
     from .targets import load_target
 
     if dtype == "auto":
-        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        # Plain decoding of SmolLM2 is faster in bfloat16: 42.6 vs 46.7 ms a step on our 2-core CPU with AMX (see
+        # benchmarks/results/), and on GPUs.
+        dtype = "bfloat16"
     head = draft_spec or find_head()
     if head is None:
         raise FileNotFoundError(f"no trained Jakiro head for {TARGET}: heads/{HEAD_NAME}/ is not in the repository.\n"
@@ -175,7 +184,7 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs compared), > 0 sampled")
     parser.add_argument("--draft", default=None, help=f"head directory (default heads/{HEAD_NAME}), or 'random'")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto: float32 on CPU, bfloat16 on CUDA")
+                        help="auto: bfloat16 (faster plain decoding; float32 for a token-exact comparison)")
     parser.set_defaults(func=run)
 
 
