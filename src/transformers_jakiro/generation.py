@@ -209,9 +209,10 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
 
     Most tree nodes are leaves, and a leaf's logits matter only when the accepted path ends there, so the target's
     forward can keep logits for internal nodes only (`logits_to_keep` with node indices) and apply its output layer
-    to one leaf afterwards. That saves most of the lm_head's share of a verify forward (a fifth of SmolLM2-135M's
-    weights) on a CPU, where compute grows with every row; on an accelerator extra rows are nearly free and the
-    extra host sync is not, so the full logits are kept there. `last_hidden`/`last_logits` (the prefill's last
+    to one leaf afterwards. The aim is to skip most of the lm_head rows of a verify forward on a CPU, where compute
+    grows with every row; but the leaf's one-row product reads the whole output matrix again, and on SmolLM2-135M
+    with 2 cores the two paths measured within noise of each other (README). On an accelerator extra rows are
+    nearly free and the extra host sync is not, so the full logits are kept there. `last_hidden`/`last_logits` (the prefill's last
     position) check that the output layer alone reproduces the model's logits: models that scale or soft-cap logits
     after it keep the full path.
     """
