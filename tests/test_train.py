@@ -154,6 +154,33 @@ def test_one_step_changes_the_draft_and_not_the_target(tmp_path, target, tokeniz
         assert key in logged
 
 
+def test_feature_cache_gives_the_same_loss_without_running_the_target_again(tmp_path, target, tokenizer, data_file):
+    examples = examples_of(data_file, tokenizer)
+    d2t = select_draft_vocab(examples, 40, target.config.vocab_size, always=[2])
+    draft = JakiroDraftModel.from_target(target, draft_vocab_size=40).eval()  # eval: no input noise
+    draft.d2t.copy_(d2t)
+    online = JakiroTrainer(model=draft, target=target, args=config(tmp_path))
+    cached = JakiroTrainer(model=draft, target=target, args=config(tmp_path, cache_features=True))
+    forwards = []
+    hook = target.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        whole, part = JakiroCollator(0)(examples[:8]), JakiroCollator(0)(examples[5:7])  # part: other padding
+        with torch.no_grad():
+            expected = [online.compute_loss(draft, batch).item() for batch in (whole, part)]
+            forwards.clear()
+            first = cached.compute_loss(draft, whole).item()
+            assert len(forwards) == 1 and sorted(cached.feature_cache) == list(range(8))
+            again = [cached.compute_loss(draft, batch).item() for batch in (whole, part)]
+            assert len(forwards) == 1  # both batches came from the cache
+    finally:
+        hook.remove()
+    assert first == pytest.approx(expected[0], rel=1e-6)
+    assert again == pytest.approx(expected, rel=1e-6)
+    # the reduced teacher is the full teacher's slice, computed from the kept rows only
+    features = torch.randn(5, target.config.hidden_size)
+    assert torch.allclose(online._teacher_logits(features, draft.d2t), target.lm_head(features)[:, d2t], atol=1e-6)
+
+
 def test_loss_falls_over_a_few_dozen_steps(tmp_path, target, tokenizer, data_file):
     examples = examples_of(data_file, tokenizer)
     draft = JakiroDraftModel.from_target(target)

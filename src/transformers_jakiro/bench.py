@@ -692,11 +692,11 @@ def head_metrics(result: dict) -> dict:
     where = f"{machine['dtype']}, {machine['device']}" + (f" {machine['gpu']}" if "gpu" in machine else "")
     entries = {}
     suites = result["config"].get("suites") or sorted({r["suite"] for r in result["results"]} - {"overall"})
+    settings = result["config"].get("tree_settings", {})
     for row in result["results"]:
         if row["method"] != "jakiro" or (row["suite"] == "overall" and len(suites) < 2):
             continue
         suite = "+".join(suites) if row["suite"] == "overall" else row["suite"]
-        settings = result["config"].get("tree_settings", {})
         text = (f"{row['tokens_per_s']:.2f} tok/s, {_fmt(row['speedup'], 2, 'x')} over plain generate, "
                 f"tau {_fmt(row['tau'])}")
         if row["match_rate"] is not None:

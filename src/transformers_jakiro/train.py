@@ -60,6 +60,13 @@ class JakiroTrainingConfig(TrainingArguments):
     max_length: int = field(default=2048, metadata={"help": "conversations are truncated to this many tokens"})
     draft_vocab_size: int | None = field(default=None, metadata={"help": "reduced draft vocabulary; None = full"})
     max_grad_value: float | None = field(default=0.5, metadata={"help": "clip each gradient value to +-this"})
+    cache_features: bool = field(
+        default=False,
+        metadata={
+            "help": "keep each conversation's target features in CPU memory after its first pass, so later epochs "
+            "skip the target forward (costs tokens x hidden size x dtype bytes of RAM)"
+        },
+    )
     # Recipe values for inherited fields.
     learning_rate: float = 9e-5
     weight_decay: float = 1e-3
@@ -164,6 +171,7 @@ def build_examples(conversations, tokenizer, max_length: int) -> tuple[list[dict
         if not any(example["loss_mask"][2:]):  # the first trained prediction is that of token 2
             too_long += 1
             continue
+        example["example_index"] = len(examples)  # the key of its features in the trainer's feature cache
         examples.append(example)
     if unrenderable:
         print(
@@ -193,7 +201,8 @@ def build_examples(conversations, tokenizer, max_length: int) -> tuple[list[dict
 
 @dataclass
 class JakiroCollator:
-    """Right-pads a batch: `input_ids`, `attention_mask` (1 = real token), `loss_mask` (1 = assistant token)."""
+    """Right-pads a batch: `input_ids`, `attention_mask` (1 = real token), `loss_mask` (1 = assistant token), and
+    passes `example_index` through when the examples carry one (`build_examples` numbers them)."""
 
     pad_token_id: int = 0
 
@@ -204,11 +213,14 @@ class JakiroCollator:
             return torch.tensor([e[key] + [value] * (length - len(e[key])) for e in examples])
 
         attention = torch.tensor([[1] * len(e["input_ids"]) + [0] * (length - len(e["input_ids"])) for e in examples])
-        return {
+        batch = {
             "input_ids": pad("input_ids", self.pad_token_id),
             "attention_mask": attention,
             "loss_mask": pad("loss_mask", 0),
         }
+        if all("example_index" in e for e in examples):
+            batch["example_index"] = torch.tensor([e["example_index"] for e in examples])
+        return batch
 
 
 def select_draft_vocab(examples, size: int, vocab_size: int, always=()) -> torch.LongTensor:
@@ -269,20 +281,67 @@ class JakiroTrainer(Trainer):
             self.add_callback(_ClipGradValue(args.max_grad_value))
         self._metrics = defaultdict(list)
         self.tokens_seen = 0  # real (unpadded) tokens through the target and the draft in training, this process
+        # example_index -> (features [n, H], next tokens [n]) on the CPU; see JakiroTrainingConfig.cache_features
+        self.feature_cache = {} if args.cache_features else None
+        self._teacher_head = None  # (weight, bias) of the target's lm_head rows the draft vocabulary keeps
+
+    @torch.no_grad()
+    def target_features(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's post-norm last hidden states [B, L, H] (the vectors its lm_head reads) and its greedy next
+        token [B, L] at every position whose next token is an assistant token (-1 elsewhere), on the target's
+        device. From the feature cache when it holds every conversation of the batch, else from a target forward
+        (whose results then enter the cache). Padding positions hold zeros / -1: no loss is taken there, and under
+        causal attention no real position reads them."""
+        ids, loss_mask = inputs["input_ids"], inputs["loss_mask"].bool()
+        device = self.target.get_input_embeddings().weight.device
+        index = inputs.get("example_index")
+        cache = self.feature_cache
+        keys = index.tolist() if index is not None else None
+        if cache is not None and keys is not None and all(k in cache for k in keys):
+            first = cache[keys[0]][0]
+            features = first.new_zeros(*ids.shape, first.shape[-1], device=device)
+            next_tokens = torch.full(ids.shape, -1, dtype=torch.long, device=device)
+            for row, key in enumerate(keys):
+                cached_features, cached_tokens = cache[key]
+                features[row, : len(cached_features)] = cached_features.to(device)
+                next_tokens[row, : len(cached_tokens)] = cached_tokens.to(device)
+            return features, next_tokens
+        attention = inputs["attention_mask"].to(device)
+        out = self.target(
+            input_ids=ids.to(device),
+            attention_mask=attention,
+            output_hidden_states=True,
+            logits_to_keep=1,  # the full-vocabulary logits are needed only where a loss is taken (below)
+            use_cache=False,
+        )
+        features = out.hidden_states[-1]
+        counted = torch.zeros_like(loss_mask)
+        counted[:, :-1] = loss_mask[:, 1:]
+        counted = counted.to(device)
+        next_tokens = torch.full(ids.shape, -1, dtype=torch.long, device=device)
+        next_tokens[counted] = self.target.get_output_embeddings()(features[counted]).argmax(-1)
+        if cache is not None and keys is not None:
+            for row, (key, length) in enumerate(zip(keys, attention.sum(-1).tolist())):
+                cache[key] = (features[row, :length].cpu(), next_tokens[row, :length].cpu())
+        return features, next_tokens
+
+    def _teacher_logits(self, features: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
+        """The target's logits at `features`; with a reduced draft vocabulary only its rows (the same numbers as
+        slicing the full logits, at a fraction of the cost: Qwen's vocabulary is 151936 rows, a draft's 8192)."""
+        head = self.target.get_output_embeddings()
+        if d2t is None:
+            return head(features)
+        if self._teacher_head is None:
+            rows = d2t.to(head.weight.device)
+            bias = getattr(head, "bias", None)
+            self._teacher_head = (head.weight[rows], None if bias is None else bias[rows])
+        return F.linear(features, *self._teacher_head)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args, draft = self.args, self.accelerator.unwrap_model(model)
         ids, loss_mask = inputs["input_ids"], inputs["loss_mask"].bool()
         target_device = self.target.get_input_embeddings().weight.device
-        with torch.no_grad():
-            out = self.target(
-                input_ids=ids.to(target_device),
-                attention_mask=inputs["attention_mask"].to(target_device),
-                output_hidden_states=True,
-                logits_to_keep=1,  # teacher logits are computed below, only where a loss is taken
-                use_cache=False,
-            )
-            features = out.hidden_states[-1]  # post-norm: the vector the target's lm_head reads
+        features, next_tokens = self.target_features(inputs)
         if model.training:
             self.tokens_seen += int(inputs["attention_mask"].sum())
         hidden = features[:, :-1].to(ids.device)
@@ -308,12 +367,10 @@ class JakiroTrainer(Trainer):
                 continue
             predicted = head[:, : length - 1 - shift][valid].float()
             wanted = features[:, shift : length - 1][valid.to(target_device)]
+            target_token = next_tokens[:, shift : length - 1][valid.to(target_device)].to(predicted.device)
             with torch.no_grad():
-                teacher = self.target.get_output_embeddings()(wanted).float().to(predicted.device)
-                target_token = teacher.argmax(-1)
-                if draft.d2t is not None:  # reduced vocabulary: restrict and renormalise (see the module docstring)
-                    teacher = teacher[:, draft.d2t]
-                teacher = teacher.softmax(-1)
+                # Reduced vocabulary: restricted to the draft's ids and renormalised (see the module docstring).
+                teacher = self._teacher_logits(wanted, draft.d2t).float().to(predicted.device).softmax(-1)
             smooth_l1 = F.smooth_l1_loss(predicted, wanted.float().to(predicted.device))
             logits = draft.compute_logits(predicted)
             ce = -(teacher * logits.float().log_softmax(-1)).sum(-1).mean()
@@ -583,6 +640,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logging-steps", type=int, default=None, help="default 10")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--bf16", action="store_true", help="target in bf16, draft trained in bf16 autocast")
+    parser.add_argument(
+        "--cache-features",
+        action="store_true",
+        help="keep the target's features in RAM after the first epoch (later epochs skip the target forward)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     parser.add_argument("--overwrite", action="store_true", help="replace a different head already in --out")
     parser.add_argument("--push-to-hub", default=None, metavar="ORG/NAME")
@@ -609,6 +671,7 @@ def config_from_args(args) -> JakiroTrainingConfig:
         logging_steps=args.logging_steps,
         seed=args.seed,
         draft_vocab_size=args.draft_vocab,
+        cache_features=args.cache_features or None,
     )
     given = {key: value for key, value in given.items() if value is not None}
     accelerator = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
