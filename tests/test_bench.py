@@ -79,6 +79,19 @@ def test_errors(models):
         bench.run_benchmark(target, tokenizer, draft, prompts=PROMPTS, methods=["nope"], log=lambda _: None)
 
 
+def test_load_suite_first_or_spread_over_categories(tmp_path):
+    categories = ["writing", "writing", "math", "math", "code", "writing"]
+    lines = [{"question_id": i, "category": c, "turns": [f"q{i}"]} for i, c in enumerate(categories)]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ids = lambda records: [r["id"] for r in records]  # noqa: E731
+    assert ids(bench.load_suite("s", 3, tmp_path)) == ["0", "1", "2"]
+    assert ids(bench.load_suite("s", 4, tmp_path, spread_categories=True)) == ["0", "2", "4", "1"]
+    assert ids(bench.load_suite("s", None, tmp_path, spread_categories=True)) == ["0", "2", "4", "1", "3", "5"]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"turns": "not a list"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: expected a non-empty list"):
+        bench.load_suite("bad", 1, tmp_path)
+
+
 def _brute_force(verify_s, draft_s, survival, contrastive):
     best = None
     for n, d in itertools.product(sorted(verify_s), sorted(draft_s)):

@@ -35,6 +35,7 @@ uses them for the jakiro/eagle2 rows of the benchmark.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -79,8 +80,16 @@ TUNE_DEPTHS = (1, 2, 3, 4, 5, 6)
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def load_suite(suite: str, num_prompts: int | None = None, data_dir: str | os.PathLike | None = None) -> list[dict]:
-    """The first `num_prompts` records of `<data_dir>/<suite>.jsonl`: dicts with `id`, `category`, `turns`."""
+def load_suite(
+    suite: str,
+    num_prompts: int | None = None,
+    data_dir: str | os.PathLike | None = None,
+    spread_categories: bool = False,
+) -> list[dict]:
+    """The first `num_prompts` records of `<data_dir>/<suite>.jsonl`: dicts with `id`, `category`, `turns`.
+
+    `spread_categories`: take them round-robin over the categories instead (first of each category in file order,
+    then the second of each, ...), so that a few prompts cover MT-bench's eight categories, not only its first."""
     path = Path(data_dir or DEFAULT_DATA_DIR) / f"{suite}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"benchmark suite {suite!r} not found: {path} (set --data-dir or JAKIRO_BENCH_DATA)")
@@ -97,9 +106,15 @@ def load_suite(suite: str, num_prompts: int | None = None, data_dir: str | os.Pa
                 {"id": str(record.get("question_id", record.get("id", number))), "category": record.get("category"),
                  "turns": turns}
             )
-            if num_prompts is not None and len(records) >= num_prompts:
+            if num_prompts is not None and len(records) >= num_prompts and not spread_categories:
                 break
-    return records
+    if spread_categories:
+        by_category = {}
+        for record in records:
+            by_category.setdefault(record["category"], []).append(record)
+        rounds = itertools.zip_longest(*by_category.values())
+        records = [record for round_ in rounds for record in round_ if record is not None]
+    return records[:num_prompts]
 
 
 def encode(tokenizer, messages: list[dict], device) -> dict:
@@ -474,6 +489,7 @@ def run_benchmark(
     prompts: Mapping[str, list[dict]] | None = None,
     data_dir: str | os.PathLike | None = None,
     num_prompts: int | None = None,
+    spread_categories: bool = False,
     temperatures: Sequence[float] = (0.0,),
     methods: Sequence[str] | None = None,
     max_new_tokens: int = 128,
@@ -488,7 +504,7 @@ def run_benchmark(
     """Run every method on the same prompts and return the results dict (also written to `out_dir` if given).
 
     `prompts` maps suite -> records (`turns`, optional `id`/`category`); without it the suites are read from
-    `data_dir` (`<suite>.jsonl`), `num_prompts` each. `methods` defaults to every method whose model is given."""
+    `data_dir` (`<suite>.jsonl`), `num_prompts` each (see `load_suite` for `spread_categories`). `methods` defaults to every method whose model is given."""
     if methods is None:
         methods = [m for m in METHODS
                    if (m not in TREE_METHODS or draft is not None) and (m != "assisted" or assistant is not None)]
@@ -501,7 +517,7 @@ def run_benchmark(
     if assistant is None and "assisted" in methods:
         raise ValueError("method assisted needs --assistant: a smaller causal LM with the target's tokenizer")
     if prompts is None:
-        prompts = {suite: load_suite(suite, num_prompts, data_dir) for suite in suites}
+        prompts = {suite: load_suite(suite, num_prompts, data_dir, spread_categories) for suite in suites}
     elif num_prompts is not None:
         prompts = {suite: records[:num_prompts] for suite, records in prompts.items()}
     if not any(prompts.values()):
@@ -516,6 +532,7 @@ def run_benchmark(
             **(labels or {}),
             "suites": list(prompts),
             "num_prompts": {suite: len(records) for suite, records in prompts.items()},
+            "prompt_ids": {suite: [r.get("id") for r in records] for suite, records in prompts.items()},
             "methods": methods,
             "temperatures": [float(t) for t in temperatures],
             "max_new_tokens": max_new_tokens,
@@ -612,6 +629,8 @@ def markdown_table(result: dict) -> str:
         f"- target {config.get('target')}, draft {config.get('draft')}, assistant {config.get('assistant')}",
         f"- max_new_tokens {config['max_new_tokens']}, prompts per suite {config['num_prompts']}",
     ]
+    if "prompt_ids" in config:
+        lines.append(f"- prompt ids: {config['prompt_ids']}")
     if "tree_settings" in config:
         lines.append(f"- tree settings: {config['tree_settings']}")
     for temperature in config["temperatures"]:
@@ -765,6 +784,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,1")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each suite (default all)")
+    parser.add_argument("--spread-categories", action="store_true",
+                        help="with --num-prompts: take prompts round-robin over each suite's categories")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} "
@@ -792,7 +813,7 @@ def run(args) -> int:
               if args.draft else None, "assistant": args.assistant}
     result = run_benchmark(
         target, tokenizer, draft, assistant=assistant, suites=_csv(args.suite), data_dir=args.data_dir,
-        num_prompts=args.num_prompts, temperatures=[float(t) for t in _csv(args.temperature)], methods=methods,
+        num_prompts=args.num_prompts, spread_categories=args.spread_categories, temperatures=[float(t) for t in _csv(args.temperature)], methods=methods,
         max_new_tokens=args.max_new_tokens, tune_settings=args.tune, out_dir=args.out, labels=labels, seed=args.seed,
     )
     print()
