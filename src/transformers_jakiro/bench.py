@@ -504,7 +504,8 @@ def run_benchmark(
     """Run every method on the same prompts and return the results dict (also written to `out_dir` if given).
 
     `prompts` maps suite -> records (`turns`, optional `id`/`category`); without it the suites are read from
-    `data_dir` (`<suite>.jsonl`), `num_prompts` each (see `load_suite` for `spread_categories`). `methods` defaults to every method whose model is given."""
+    `data_dir` (`<suite>.jsonl`), `num_prompts` each (see `load_suite` for `spread_categories`). `methods` defaults
+    to every method whose model is given."""
     if methods is None:
         methods = [m for m in METHODS
                    if (m not in TREE_METHODS or draft is not None) and (m != "assisted" or assistant is not None)]
@@ -813,7 +814,8 @@ def run(args) -> int:
               if args.draft else None, "assistant": args.assistant}
     result = run_benchmark(
         target, tokenizer, draft, assistant=assistant, suites=_csv(args.suite), data_dir=args.data_dir,
-        num_prompts=args.num_prompts, spread_categories=args.spread_categories, temperatures=[float(t) for t in _csv(args.temperature)], methods=methods,
+        num_prompts=args.num_prompts, spread_categories=args.spread_categories,
+        temperatures=[float(t) for t in _csv(args.temperature)], methods=methods,
         max_new_tokens=args.max_new_tokens, tune_settings=args.tune, out_dir=args.out, labels=labels, seed=args.seed,
     )
     print()

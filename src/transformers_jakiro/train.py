@@ -76,7 +76,7 @@ class JakiroTrainingConfig(TrainingArguments):
     max_grad_norm: float = 0.0  # the recipe clips values (max_grad_value), not the norm
     num_train_epochs: float = 20
     per_device_train_batch_size: int = 4
-    # Batches of similar lengths: right padding is computed by the target too, 25% of a random batch of 4 on the Qwen data.
+    # Batches of similar lengths: the target computes right padding too (25% of a random batch of 4 on the Qwen data).
     train_sampling_strategy: str = "group_by_length"
     logging_steps: float = 10
     save_steps: float = 500
