@@ -1,0 +1,395 @@
+"""The Jakiro draft head: one decoder layer with a two-expert MoE block, reading the target's last hidden states.
+
+Read top to bottom: RMSNorm, RoPE, attention, one expert (SwiGLU), the MoE block with its left (mixture) and right
+(contrastive) outputs, the decoder layer, and the `PreTrainedModel` that fuses the token embedding with the target
+feature. This file imports only torch and transformers so that `trust_remote_code=True` loads work without the
+package installed.
+
+Data flow at draft position t (JAKIRO.md section 1):
+    u_t   = fc([embed(x_{t+1}); f_t])                   f_t: target's last (post-norm) hidden state at t
+    a_t   = u_t + Attention(u_t)                        no input norm
+    h_t   = RMSNorm(a_t)
+    left  = a_t + softmax(g0, g1) . (E0(h_t), E1(h_t))  ~ f_{t+1}   -> target lm_head -> x_{t+2}
+    right = a_t + w_hi E_hi(h_t) - w_lo E_lo(h_t)       ~ f_{t+2}   -> target lm_head -> x_{t+3}
+where g = gate(h_t) has four logits, (g0, g1) route the left head and (g2, g3) the right one; E_hi is the expert
+whose right-gate logit is strictly larger (expert 1 on ties, as in the reference implementation).
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import ModelOutput
+
+from .configuration_jakiro import JakiroConfig
+
+
+@dataclass
+class JakiroDraftOutput(ModelOutput):
+    """`last_hidden_state`: left-head features (predict the next target feature), shape [batch, kept, hidden].
+    `contrastive_hidden_state`: right-head features (two ahead), or None without the contrastive head.
+    `cache`: the draft's own KV cache, updated in place."""
+
+    last_hidden_state: torch.FloatTensor | None = None
+    contrastive_hidden_state: torch.FloatTensor | None = None
+    cache: Cache | None = None
+
+
+class JakiroRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class JakiroRotaryEmbedding(nn.Module):
+    """RoPE with the target's parameters; scaled variants (llama3, yarn, linear, ...) come from transformers."""
+
+    def __init__(self, config: JakiroConfig):
+        super().__init__()
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            dim = config.head_dim
+            base = config.rope_parameters["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # `.to(torch.bfloat16)` casts floating buffers too; bf16 frequencies are off by up to 0.2%, which shifts
+        # rotations by a fraction of a radian a few hundred positions away. Follow device moves, stay float32.
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, seq, head_dim]: broadcast over heads
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+class JakiroAttention(nn.Module):
+    """Multi-head attention with the target's head layout (GQA included), RoPE, an explicit additive mask."""
+
+    def __init__(self, config: JakiroConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+
+    def forward(self, hidden_states, cos, sin, attention_mask, cache: Cache | None = None):
+        batch, seq, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, 0)
+        if self.num_kv_heads != self.num_heads:
+            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.to(q.dtype))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class JakiroExpert(nn.Module):
+    """One expert: a SwiGLU MLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = ACT2FN[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class JakiroMoE(nn.Module):
+    """Two experts, both active. Returns (left, right): the softmax mixture and the contrastive difference.
+
+    With one expert (converted EAGLE heads) there is no gate and the block is a dense MLP without a right output.
+    """
+
+    def __init__(self, config: JakiroConfig):
+        super().__init__()
+        self.contrastive = config.contrastive_head
+        self.experts = nn.ModuleList(
+            JakiroExpert(config.hidden_size, config.expert_intermediate_size, config.hidden_act)
+            for _ in range(config.num_experts)
+        )
+        self.gate = None
+        if config.num_experts == 2:
+            self.gate = nn.Linear(config.hidden_size, 4 if self.contrastive else 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.gate is None:
+            return self.experts[0](x), None
+        logits = self.gate(x)
+        e0, e1 = self.experts[0](x), self.experts[1](x)
+        w = F.softmax(logits[..., :2], dim=-1, dtype=torch.float32).to(x.dtype)
+        left = w[..., :1] * e0 + w[..., 1:] * e1
+        if not self.contrastive:
+            return left, None
+        r = F.softmax(logits[..., 2:], dim=-1, dtype=torch.float32).to(x.dtype)
+        # +(w0 E0 - w1 E1) when expert 0 is strictly preferred, else +(w1 E1 - w0 E0).
+        sign = torch.where(logits[..., 2:3] > logits[..., 3:4], 1.0, -1.0).to(x.dtype)
+        right = sign * (r[..., :1] * e0 - r[..., 1:] * e1)
+        return left, right
+
+
+class JakiroDecoderLayer(nn.Module):
+    """Attention without an input norm (the fc output feeds it directly), post-attention norm, MoE, residuals."""
+
+    def __init__(self, config: JakiroConfig):
+        super().__init__()
+        self.self_attn = JakiroAttention(config)
+        self.post_attention_layernorm = JakiroRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.moe = JakiroMoE(config)
+
+    def forward(self, hidden_states, cos, sin, attention_mask, cache=None, features_to_keep: int = 0):
+        hidden_states = hidden_states + self.self_attn(hidden_states, cos, sin, attention_mask, cache)
+        if features_to_keep:  # the KV of every position is cached; only the last few need the MoE
+            hidden_states = hidden_states[:, -features_to_keep:]
+        left, right = self.moe(self.post_attention_layernorm(hidden_states))
+        return hidden_states + left, (hidden_states + right) if right is not None else None
+
+
+class JakiroPreTrainedModel(PreTrainedModel):
+    config_class = JakiroConfig
+    config: JakiroConfig
+    base_model_prefix = "jakiro"
+    main_input_name = "input_ids"
+    _no_split_modules = ["JakiroDecoderLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, JakiroDraftModel) and module.d2t is not None:
+            module.d2t.copy_(torch.arange(module.d2t.numel(), device=module.d2t.device))
+        if isinstance(module, JakiroRotaryEmbedding):  # not in the checkpoint: from_pretrained leaves it uninitialised
+            with torch.device(module.inv_freq.device):
+                module.inv_freq.copy_(JakiroRotaryEmbedding(self.config).inv_freq)
+
+
+def causal_mask(query_len: int, past_len: int, dtype: torch.dtype, device, padding_mask=None) -> torch.Tensor:
+    """Additive [batch or 1, 1, query_len, past_len + query_len] mask: 0 where visible, dtype-min elsewhere.
+
+    `padding_mask` (optional, [batch, past_len + query_len], 1 = real token) hides padded keys.
+    """
+    q = torch.arange(query_len, device=device)[:, None] + past_len
+    k = torch.arange(past_len + query_len, device=device)[None, :]
+    visible = (k <= q)[None, None]
+    if padding_mask is not None:
+        visible = visible & padding_mask[:, None, None, :].bool()
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)
+
+
+class JakiroDraftModel(JakiroPreTrainedModel):
+    """A Jakiro draft head. Bind it to its target (`bind_target`) to borrow the target's embeddings and lm_head;
+    those are never stored in the draft checkpoint. With `config.draft_vocab_size` set, the head owns a reduced
+    lm_head over the most frequent target tokens and `d2t` maps its ids back to target ids."""
+
+    def __init__(self, config: JakiroConfig):
+        super().__init__(config)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
+        self.layer = JakiroDecoderLayer(config)
+        self.rotary_emb = JakiroRotaryEmbedding(config)
+        if config.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.lm_head = None
+            self.register_buffer("d2t", None)
+        self._target_modules = None  # (embed_tokens, lm_head) of the bound target; a tuple so nn.Module ignores it
+        self.last_generation_stats = None
+        self.post_init()
+
+    # -- binding to the target ---------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **overrides) -> "JakiroDraftModel":
+        """A freshly initialised head shaped for `target` (hidden size, heads, RoPE, vocabulary), bound to it and
+        placed beside the target's lm_head in the target's dtype. `overrides` set JakiroConfig fields."""
+        config = JakiroConfig.from_target_config(target.config, **overrides)
+        lm_head = target.get_output_embeddings()
+        draft = cls(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        return draft.bind_target(target)
+
+    def bind_target(self, target: PreTrainedModel) -> "JakiroDraftModel":
+        """Borrow `target`'s input embeddings and lm_head after checking that this head was built for it."""
+        text = target.config.get_text_config(decoder=True)
+        expected = self.config
+        problems = []
+        if text.hidden_size != expected.hidden_size:
+            problems.append(f"hidden size: the draft expects {expected.hidden_size}, the target has {text.hidden_size}")
+        if text.vocab_size != expected.vocab_size:
+            problems.append(f"vocabulary: the draft expects {expected.vocab_size} tokens, the target has {text.vocab_size}")
+        if expected.target_model_type is not None and text.model_type != expected.target_model_type:
+            problems.append(
+                f"model type: the draft was built for '{expected.target_model_type}', the target is '{text.model_type}'"
+            )
+        if problems:
+            raise ValueError(
+                "This Jakiro draft was not built for this target model ("
+                + "; ".join(problems)
+                + "). Load the draft trained for this target, or create a new one with "
+                "JakiroDraftModel.from_target(target) and train it."
+            )
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embed is None or lm_head is None:
+            raise ValueError(f"{type(target).__name__} exposes no input embeddings or lm_head to draft with.")
+        self._target_modules = (embed, lm_head)
+        return self
+
+    @property
+    def is_bound(self) -> bool:
+        return self._target_modules is not None
+
+    def _bound(self):
+        if self._target_modules is None:
+            raise RuntimeError(
+                "This Jakiro draft is not bound to a target model: call draft.bind_target(target) first "
+                "(generate(..., assistant_model=draft) does this for you)."
+            )
+        return self._target_modules
+
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        embed = self._bound()[0]
+        return embed(input_ids.to(embed.weight.device)).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+
+    def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (the reduced one if configured, else the target's own lm_head)."""
+        if self.lm_head is not None:
+            return self.lm_head(features)
+        lm_head = self._bound()[1]
+        return lm_head(features.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)).to(features.device)
+
+    def draft_to_target_ids(self, ids: torch.LongTensor) -> torch.LongTensor:
+        return ids if self.d2t is None else self.d2t[ids]
+
+    # -- forward -------------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        features_to_keep: int = 0,
+        **kwargs,
+    ) -> JakiroDraftOutput:
+        r"""
+        input_ids: tokens x_{t+1} (the token *after* each feature's position), [batch, seq].
+        hidden_states: the target's last hidden states f_t, [batch, seq, hidden].
+        position_ids: explicit positions (tree nodes of one level share one); default continues the cache.
+        attention_mask: a 4D additive float mask [batch, 1, seq, past + seq] (tree masks), a 2D padding mask
+            [batch, past + seq] (1 = real token), or None for causal attention.
+        cache: the draft's own cache (a transformers `DynamicCache`), updated in place.
+        features_to_keep: 0 = return features for every position, k = only the last k (the KV is cached for all).
+        """
+        if hidden_states is None:
+            raise ValueError("JakiroDraftModel needs `hidden_states`: the target's last hidden states.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed(input_ids)
+        dtype, device = self.fc.weight.dtype, self.fc.weight.device
+        x = self.fc(torch.cat([inputs_embeds.to(device=device, dtype=dtype), hidden_states.to(device, dtype)], -1))
+        seq = x.shape[1]
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + seq, device=device)[None].expand(x.shape[0], -1)
+        if attention_mask is None or attention_mask.dim() == 2:
+            attention_mask = causal_mask(seq, past, dtype, device, padding_mask=attention_mask)
+        elif attention_mask.dtype == torch.bool:  # True = visible; an additive mask is what SDPA gets
+            attention_mask = torch.zeros_like(attention_mask, dtype=dtype).masked_fill(
+                ~attention_mask, torch.finfo(dtype).min
+            )
+        cos, sin = self.rotary_emb(x, position_ids.to(device))
+        left, right = self.layer(x, cos, sin, attention_mask.to(device), cache, features_to_keep)
+        return JakiroDraftOutput(last_hidden_state=left, contrastive_hidden_state=right, cache=cache)
+
+    # -- saving and loading --------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, is_main_process: bool = True, *args, write_model_card=True, **kwargs):
+        """As in transformers, plus a model card (README.md) unless the directory has one or write_model_card=False."""
+        super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
+        readme = os.path.join(save_directory, "README.md")
+        if not (write_model_card and is_main_process and os.path.isdir(save_directory)) or os.path.exists(readme):
+            return
+        try:  # the card builder lives in the package; this file also runs as remote code without it
+            from transformers_jakiro.hub import build_model_card
+        except ImportError:
+            return
+        build_model_card(self).save(readme)
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """As in transformers, but a repo without a card gets the Jakiro model card: the stock push writes a generic
+        card over the one save_pretrained wrote. Also takes `training_summary` / `metrics` for the card."""
+        try:
+            from transformers_jakiro.hub import push_to_hub
+        except ImportError:
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_to_hub(self, repo_id, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """As in transformers, but safetensors only: loading a pickle (`.bin`) checkpoint can run arbitrary code."""
+        local = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        files = sorted(os.listdir(local)) if os.path.isdir(local) else []
+        pickles = [name for name in files if name.endswith((".bin", ".pt", ".pth"))]
+        if pickles and not any(name.endswith(".safetensors") for name in files):
+            raise ValueError(
+                f"{local} holds only pickle weights ({', '.join(pickles)}): pickle checkpoints are refused for "
+                "safety, since loading one can run arbitrary code. Convert an original Jakiro/EAGLE checkpoint with "
+                "`jakiro convert <dir> --out <new dir>`, or re-save the draft as safetensors with save_pretrained."
+            )
+        kwargs["use_safetensors"] = True
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        except SafetensorError as error:  # safetensors names neither the file nor a fix
+            where = ", ".join(os.path.join(local, name) for name in files if name.endswith(".safetensors"))
+            raise ValueError(
+                f"{where or f'The safetensors weights of {pretrained_model_name_or_path}'} is corrupt or truncated "
+                f"({error}). Re-download it (from_pretrained(..., force_download=True)) or re-save it with "
+                "save_pretrained."
+            ) from error
+
+
+__all__ = ["JakiroDraftModel", "JakiroPreTrainedModel", "JakiroDraftOutput"]
