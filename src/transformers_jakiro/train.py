@@ -285,7 +285,7 @@ class JakiroTrainer(Trainer):
         self.tokens_seen = 0  # real (unpadded) tokens through the target and the draft in training, this process
         # example_index -> (features [n, H], next tokens [n]) on the CPU; see JakiroTrainingConfig.cache_features
         self.feature_cache = {} if args.cache_features else None
-        self._teacher_head = None  # (weight, bias) of the target's lm_head rows the draft vocabulary keeps
+        self._teacher_head = None  # (d2t, weight, bias): the target's lm_head rows the draft vocabulary keeps
 
     @torch.no_grad()
     def target_features(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,20 +324,25 @@ class JakiroTrainer(Trainer):
         next_tokens[counted] = self.target.get_output_embeddings()(features[counted]).argmax(-1)
         if cache is not None and keys is not None:
             for row, (key, length) in enumerate(zip(keys, attention.sum(-1).tolist())):
-                cache[key] = (features[row, :length].cpu(), next_tokens[row, :length].cpu())
+                # Copies: a CPU slice would be a view that keeps the whole padded batch alive.
+                cache[key] = (
+                    features[row, :length].to("cpu", copy=True),
+                    next_tokens[row, :length].to("cpu", copy=True),
+                )
         return features, next_tokens
 
     def _teacher_logits(self, features: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
         """The target's logits at `features`; with a reduced draft vocabulary only its rows (the same numbers as
-        slicing the full logits, at a fraction of the cost: Qwen's vocabulary is 151936 rows, a draft's 8192)."""
+        slicing the full logits, at a fraction of the cost: Qwen's vocabulary is 151936 rows, our head's 8014)."""
         head = self.target.get_output_embeddings()
         if d2t is None:
             return head(features)
-        if self._teacher_head is None:
+        # The rows are gathered once per vocabulary map: a checkpoint loaded by --resume may bring another one.
+        if self._teacher_head is None or not torch.equal(self._teacher_head[0], d2t):
             rows = d2t.to(head.weight.device)
             bias = getattr(head, "bias", None)
-            self._teacher_head = (head.weight[rows], None if bias is None else bias[rows])
-        return F.linear(features, *self._teacher_head)
+            self._teacher_head = (d2t.clone(), head.weight[rows], None if bias is None else bias[rows])
+        return F.linear(features, *self._teacher_head[1:])
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args, draft = self.args, self.accelerator.unwrap_model(model)
