@@ -25,7 +25,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from tiny_models import quick_trained_draft
 from transformers_jakiro import tree_settings, verification
-from transformers_jakiro.generation import jakiro_decode
+from transformers_jakiro.generation import TreeSettings, jakiro_decode
 
 VOCAB, NEW_TOKENS, SAMPLES = 8, 3, 10_000
 WRONG_RULE_SAMPLES = 1_500  # the bias of the wrong rule is large; fewer samples already reject it
@@ -46,13 +46,13 @@ def target_and_draft():
     return target, draft
 
 
-def exact_distribution(target, processors) -> torch.Tensor:
+def exact_distribution(target, processors, prompt=PROMPT) -> torch.Tensor:
     """P(t1, t2, t3 | prompt) for all 512 continuations, flattened in itertools.product order."""
     outcomes = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW_TOKENS)))
-    sequences = torch.cat([PROMPT.expand(len(outcomes), -1), outcomes], dim=1)
+    sequences = torch.cat([prompt.expand(len(outcomes), -1), outcomes], dim=1)
     with torch.no_grad():
         logits = target(sequences).logits.float()
-    start = PROMPT.shape[1]
+    start = prompt.shape[1]
     prob = torch.ones(len(outcomes), dtype=torch.float64)
     for step in range(NEW_TOKENS):
         prefix = sequences[:, : start + step]
@@ -62,18 +62,20 @@ def exact_distribution(target, processors) -> torch.Tensor:
     return prob
 
 
-def sample_counts(target, draft, processors, samples: int) -> torch.Tensor:
+def sample_counts(target, draft, processors, samples: int, prompt=PROMPT, settings=None) -> torch.Tensor:
     config = GenerationConfig(do_sample=True)
-    stop = StoppingCriteriaList([MaxLengthCriteria(PROMPT.shape[1] + NEW_TOKENS)])
+    stop = StoppingCriteriaList([MaxLengthCriteria(prompt.shape[1] + NEW_TOKENS)])
     counts = torch.zeros(VOCAB**NEW_TOKENS, dtype=torch.float64)
     weights = torch.tensor([VOCAB**i for i in reversed(range(NEW_TOKENS))])
     torch.manual_seed(1234)
-    multi_token_rounds = 0
+    multi_token_rounds = lookup_accepted = 0
     for _ in range(samples):
-        out = jakiro_decode(target, PROMPT, processors, stop, config, draft)
-        counts[int((out[0, PROMPT.shape[1] :] * weights).sum())] += 1
+        out = jakiro_decode(target, prompt, processors, stop, config, draft, settings=settings)
+        counts[int((out[0, prompt.shape[1] :] * weights).sum())] += 1
         multi_token_rounds += sum(n > 1 for n in draft.last_generation_stats.accepted_lengths)
+        lookup_accepted += draft.last_generation_stats.lookup_accepted
     sample_counts.multi_token_rounds = multi_token_rounds
+    sample_counts.lookup_accepted = lookup_accepted
     return counts
 
 
@@ -102,6 +104,20 @@ def test_sampling_matches_exact_target_distribution(target_and_draft):
     assert chi_square_p_value(counts, probs) > 1e-4
     # Draft tokens were accepted in many rounds, so the tree part of the rule was exercised, not just the bonus.
     assert sample_counts.multi_token_rounds > SAMPLES // 4
+
+
+def test_sampling_with_ngram_lookup_matches_exact_target_distribution(target_and_draft):
+    """Lookup chains join the tree; the tree is still deterministic given the prefix, so the same rule is exact."""
+    target, draft = target_and_draft
+    prompt = torch.tensor([[3, 5, 4, 6, 3, 5, 4, 7, 3, 5]])  # "3 5" recurs: chains are proposed every round
+    processors = LogitsProcessorList(WARPERS)
+    probs = exact_distribution(target, processors, prompt)
+    settings = TreeSettings.resolve(draft, total_tokens=4, depth=1, top_k=2, lookup_tokens=3, lookup_chains=2)
+    counts = sample_counts(target, draft, processors, 6_000, prompt, settings)
+    p_value = chi_square_p_value(counts, probs)
+    print(f"lookup p-value {p_value:.3g}, lookup tokens accepted {sample_counts.lookup_accepted}")
+    assert p_value > 1e-4
+    assert sample_counts.lookup_accepted > 300  # chains were accepted in many rounds, not only drafted nodes
 
 
 def classic_wrong_verify(tree, processed_logits, do_sample, leaf_logits=None):

@@ -29,7 +29,8 @@ from . import verification
 from .kv_cache import check_cache_supported, keep_accepted, new_target_cache, truncate
 from .logits import check_processors, process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
-from .tree import DraftTree, TreeRecorder
+from .lookup import NgramIndex
+from .tree import DraftTree, TreeRecorder, graft_chains
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -38,12 +39,17 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 class TreeSettings:
     """total_tokens: draft nodes verified per round (root excluded). depth: draft forwards per round.
     top_k: children per node and nodes expanded per level. contrastive: build the last level from the
-    contrastive (two-ahead) head, giving depth + 1 levels for depth forwards; False is the EAGLE-2-style ablation."""
+    contrastive (two-ahead) head, giving depth + 1 levels for depth forwards; False is the EAGLE-2-style ablation.
+    lookup_tokens: length of the n-gram lookup chains grafted onto the tree (0: off; they come on top of
+    total_tokens). lookup_max_ngram: longest suffix n-gram matched. lookup_chains: distinct chains per round."""
 
     total_tokens: int
     depth: int
     top_k: int
     contrastive: bool
+    lookup_tokens: int = 0
+    lookup_max_ngram: int = 3
+    lookup_chains: int = 1
 
     @classmethod
     def resolve(cls, draft: JakiroDraftModel, **overrides) -> "TreeSettings":
@@ -51,12 +57,17 @@ class TreeSettings:
         values = dict(
             total_tokens=config.total_tokens, depth=config.depth, top_k=config.top_k, contrastive=config.contrastive_head
         )
+        # Heads saved before n-gram lookup existed have no lookup fields: lookup off.
+        for name in ("lookup_tokens", "lookup_max_ngram", "lookup_chains"):
+            values[name] = getattr(config, name, getattr(cls, name))
         values.update(getattr(draft, "_tree_overrides", None) or {})
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(**values)
-        for name in ("total_tokens", "depth", "top_k"):
+        for name in ("total_tokens", "depth", "top_k", "lookup_max_ngram", "lookup_chains"):
             if int(getattr(settings, name)) < 1:
                 raise ValueError(f"Jakiro tree setting {name} must be >= 1, got {getattr(settings, name)}.")
+        if int(settings.lookup_tokens) < 0:
+            raise ValueError(f"Jakiro tree setting lookup_tokens must be >= 0 (0: off), got {settings.lookup_tokens}.")
         if settings.contrastive and not config.contrastive_head:
             raise ValueError("contrastive=True needs a draft with a contrastive head (config.contrastive_head).")
         return settings
@@ -72,6 +83,8 @@ class JakiroGenerationStats:
     new_tokens: int = 0
     rounds: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
+    lookup_rounds: int = 0  # rounds whose tree carried n-gram lookup nodes
+    lookup_accepted: int = 0  # accepted tokens that only the n-gram lookup proposed
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
@@ -96,7 +109,8 @@ class JakiroCandidateGenerator(CandidateGenerator):
     state at t and the next token. `set_features` hands over the target hidden states of newly accepted positions;
     `get_candidates` feeds them (with their next tokens) to the draft, expands the tree EAGLE-2 style and returns it
     flattened. The tree's KV entries are dropped again at the end of the round, so the cache only ever holds real
-    target features.
+    target features. With `settings.lookup_tokens > 0` an `NgramIndex` of the accepted sequence (fed through
+    `extend_context`) adds continuations of earlier occurrences of the current suffix to the tree (`graft_chains`).
     """
 
     def __init__(self, draft: JakiroDraftModel, settings: TreeSettings):
@@ -106,6 +120,12 @@ class JakiroCandidateGenerator(CandidateGenerator):
         self.pending_features = None
         vocab = draft.config.draft_vocab_size or draft.config.vocab_size
         self.top_k = min(settings.top_k, vocab)
+        self.lookup = NgramIndex(settings.lookup_max_ngram) if settings.lookup_tokens > 0 else None
+
+    def extend_context(self, tokens: list[int]) -> None:
+        """Host copies of the accepted tokens (prompt first, then each round's), for the n-gram lookup."""
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
 
     def set_features(self, features: torch.Tensor) -> None:
         """[m, hidden]: target hidden states of the positions accepted since the last round."""
@@ -169,7 +189,10 @@ class JakiroCandidateGenerator(CandidateGenerator):
                 depth=settings.depth + 1,
             )
         truncate(self.cache, stable)
-        return recorder.flatten(settings.total_tokens)
+        tree = recorder.flatten(settings.total_tokens)
+        if self.lookup is not None:
+            tree = graft_chains(tree, self.lookup.chains(settings.lookup_tokens, settings.lookup_chains))
+        return tree
 
     def update_candidate_strategy(self, input_ids, scores=None, num_matches=None):
         """The tree shape is fixed per call; nothing adapts between rounds."""
@@ -341,6 +364,8 @@ def jakiro_decode(
     processed = logits_processor(sequence, raw.clone())
     first = verification.target_choices(processed, do_sample)
     candidates.set_features(out.hidden_states[-1][0])
+    if candidates.lookup is not None:  # the prompt and the first token, once; later rounds add their own tokens
+        candidates.extend_context(torch.cat([sequence[0, padding:], first.to(sequence.device)]).tolist())
     leaf_head = lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1])
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first.tolist(), processed, raw)
@@ -355,9 +380,16 @@ def jakiro_decode(
             target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head
         )
         candidates.set_features(features)
-        new_tokens = torch.cat([tree.tokens[path[1:]], bonus[None]]).tolist()  # the one host sync of the round
+        fetch = [tree.tokens[path[1:]], bonus[None]]
+        if tree.from_lookup is not None:  # how many accepted tokens only the lookup proposed, in the same copy
+            fetch.append(tree.from_lookup[path].sum()[None])
+        new_tokens = torch.cat(fetch).tolist()  # the one host sync of the round
+        if tree.from_lookup is not None:
+            stats.lookup_rounds += 1
+            stats.lookup_accepted += new_tokens.pop()
         stats.verify_time_s += time.perf_counter() - tic
         finished = emit(new_tokens, processed, raw)
+        candidates.extend_context(new_tokens)
 
     truncate(cache, sequence.shape[1] - padding - 1)  # a stop inside an accepted path leaves extra positions
     if streamer is not None:
@@ -389,13 +421,16 @@ def jakiro_generate(
     depth: int | None = None,
     top_k: int | None = None,
     contrastive: bool | None = None,
+    lookup_tokens: int | None = None,
     **model_kwargs,
 ):
     """`custom_generate` entry point: `target.generate(**inputs, custom_generate=jakiro_generate, draft=draft,
-    total_tokens=60, depth=5, top_k=10)`. Tree settings default to `draft.config`."""
+    total_tokens=60, depth=5, top_k=10, lookup_tokens=10)`. Tree settings default to `draft.config`."""
     if draft is None:
         raise ValueError("jakiro_generate needs `draft=`, a JakiroDraftModel for this target.")
-    settings = TreeSettings.resolve(draft, total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=contrastive)
+    settings = TreeSettings.resolve(
+        draft, total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=contrastive, lookup_tokens=lookup_tokens
+    )
     return jakiro_decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, settings, **model_kwargs
     )
@@ -423,8 +458,28 @@ def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, gen
     streamer = kwargs.pop("streamer", None)
     model_kwargs = {key: value for key, value in kwargs.items() if key not in _GENERATE_ONLY_KWARGS}
     return jakiro_decode(
-        self, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, **model_kwargs
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        draft,
+        streamer,
+        settings=TreeSettings.resolve(draft, **_lookup_from_generation_config(generation_config)),
+        **model_kwargs,
     )
+
+
+def _lookup_from_generation_config(generation_config) -> dict:
+    """`generate(..., assistant_model=draft, prompt_lookup_num_tokens=k)` asks for prompt lookup and a Jakiro draft
+    at once: the n-gram lookup runs inside the Jakiro tree with chains of k tokens (k = 0: lookup off), matching
+    suffixes of up to `max_matching_ngram_size` tokens when that is given. Unset, the draft's settings hold."""
+    overrides = {}
+    if getattr(generation_config, "prompt_lookup_num_tokens", None) is not None:
+        overrides["lookup_tokens"] = int(generation_config.prompt_lookup_num_tokens)
+    if getattr(generation_config, "max_matching_ngram_size", None) is not None:
+        overrides["lookup_max_ngram"] = int(generation_config.max_matching_ngram_size)
+    return overrides
 
 
 def install_generate_hook() -> None:

@@ -20,7 +20,8 @@ class DraftTree:
     parents:   [n] index of each node's parent, -1 for the root.
     depths:    [n] 0 for the root, 1 for its children, ...
     ancestors: [n, n] bool, ancestors[i, j] is True when j is i itself or an ancestor of i.
-    scores:    [n] cumulative draft log-probabilities (0 for the root).
+    scores:    [n] cumulative draft log-probabilities (0 for the root and for lookup nodes).
+    from_lookup: [n] bool, True for nodes that only n-gram lookup proposed (`graft_chains`); None: no lookup nodes.
     """
 
     tokens: torch.LongTensor
@@ -28,11 +29,13 @@ class DraftTree:
     depths: torch.LongTensor
     ancestors: torch.BoolTensor
     scores: torch.Tensor
+    from_lookup: torch.BoolTensor | None = None
 
     def to_device(self, device) -> "DraftTree":
         if self.tokens.device == torch.device(device):
             return self
-        return DraftTree(*(getattr(self, name).to(device) for name in ("tokens", "parents", "depths", "ancestors", "scores")))
+        names = ("tokens", "parents", "depths", "ancestors", "scores", "from_lookup")
+        return DraftTree(*(None if getattr(self, n) is None else getattr(self, n).to(device) for n in names))
 
     @property
     def num_nodes(self) -> int:
@@ -125,6 +128,54 @@ def flatten_tree(
     )
 
 
+def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
+    """The tree with token chains (n-gram lookup continuations) hung from its root, breadth-first again.
+
+    Each chain is a list of target token ids that would follow the root. Where a chain's prefix equals existing
+    nodes (the draft proposed the same tokens) it walks down through them; the rest hangs as a chain below the deepest
+    shared node. Siblings therefore keep distinct tokens, which the acceptance rule relies on. New nodes get score 0
+    and `from_lookup` True. The tree's tokens and parents are read on the host (one copy); a tree the chains add
+    nothing to is returned unchanged.
+    """
+    chains = [chain for chain in chains if chain]
+    if not chains:
+        return tree
+    device = tree.tokens.device
+    tokens, parents = torch.stack([tree.tokens, tree.parents]).tolist()
+    depths = tree.depths.tolist()
+    child_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens)) if node > 0}
+    old = len(tokens)
+    for chain in chains:
+        node = 0
+        for token in chain:
+            child = child_of.get((node, token))
+            if child is None:
+                child = len(tokens)
+                tokens.append(int(token))
+                parents.append(node)
+                depths.append(depths[node] + 1)
+                child_of[(node, token)] = child
+            node = child
+    if len(tokens) == old:
+        return tree
+    order = sorted(range(len(tokens)), key=lambda i: (depths[i], i))  # breadth-first; old nodes keep their order
+    position = {node: i for i, node in enumerate(order)}
+    flat_parents = torch.tensor([position[parents[i]] if i else -1 for i in order], device=device)
+    index = torch.tensor(order, device=device)
+    scores = torch.cat([tree.scores, tree.scores.new_zeros(len(tokens) - old)])
+    from_lookup = index >= old
+    if tree.from_lookup is not None:
+        from_lookup |= torch.cat([tree.from_lookup, from_lookup.new_zeros(len(tokens) - old)])[index]
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=tree.tokens.dtype, device=device)[index],
+        parents=flat_parents,
+        depths=torch.tensor(depths, device=device)[index],
+        ancestors=ancestor_matrix(flat_parents, max(depths)),
+        scores=scores[index],
+        from_lookup=from_lookup,
+    )
+
+
 class TreeRecorder:
     """Collects candidates level by level while the draft expands, then flattens them.
 
@@ -157,4 +208,4 @@ class TreeRecorder:
         )
 
 
-__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "flatten_tree"]
+__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "flatten_tree", "graft_chains"]

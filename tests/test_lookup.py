@@ -1,0 +1,258 @@
+"""Hybrid trees: n-gram lookup chains grafted onto the Jakiro draft tree and verified in the same forward.
+
+Pure parts (the n-gram index, grafting) are checked against brute force; decoding with lookup on is checked to be
+token-identical to plain `generate` (greedy) and to sample the target's distribution, including on a "cycle" target
+whose output repeats so that whole chains are accepted and stops land in the middle of a chain.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from test_tree import brute_force_ancestors, recorded_trees
+from tiny_models import ARCHS, make_target, quick_trained_draft, random_prompt
+from transformers_jakiro import JakiroDraftModel, jakiro_generate, tree_settings
+from transformers_jakiro.generation import JakiroCandidateGenerator, TreeSettings
+from transformers_jakiro.lookup import NgramIndex
+from transformers_jakiro.tree import DraftTree, ancestor_matrix, graft_chains
+
+
+# -- the n-gram index -------------------------------------------------------------------------------------------------
+def brute_force_chains(tokens, max_ngram, max_tokens, max_chains):
+    """Scan the whole sequence: longest suffix n-gram first, most recent occurrence first, prefix-duplicates skipped."""
+    end, found = len(tokens), []
+    for n in range(min(max_ngram, end), 0, -1):
+        suffix = tokens[end - n :]
+        for start in range(end - 1, n - 1, -1):
+            if tokens[start - n : start] == suffix:
+                chain = tokens[start : start + max_tokens]
+                if not any(f[: len(chain)] == chain for f in found):
+                    found.append(chain)
+                    if len(found) == max_chains:
+                        return found
+    return found
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=60),
+    st.lists(st.integers(1, 7), min_size=1, max_size=10),
+    st.integers(1, 4),
+    st.integers(1, 8),
+    st.integers(1, 3),
+)
+def test_ngram_index_matches_brute_force_at_every_step(tokens, chunks, max_ngram, max_tokens, max_chains):
+    index = NgramIndex(max_ngram)
+    position, chunk = 0, 0
+    while position < len(tokens):  # extended in uneven pieces, as decoding rounds accept different lengths
+        step = chunks[chunk % len(chunks)]
+        index.extend(tokens[position : position + step])
+        position, chunk = min(position + step, len(tokens)), chunk + 1
+        seen = tokens[:position]
+        assert index.chains(max_tokens, max_chains) == brute_force_chains(seen, max_ngram, max_tokens, max_chains)
+
+
+def test_ngram_index_prefers_longest_then_most_recent_match():
+    index = NgramIndex(max_ngram=2)
+    index.extend([7, 1, 2, 9, 9, 5, 2, 8, 8, 1, 2])
+    # "1 2" occurred once before (continued by 9 9); the single "2" occurred twice, the most recent continuing 8.
+    assert index.chains(3, 1) == [[9, 9, 5]]
+    assert index.chains(3, 3) == [[9, 9, 5], [8, 8, 1]]
+    assert NgramIndex(2).chains(5) == []  # empty sequence
+    fresh = NgramIndex(3)
+    fresh.extend([4, 5, 6])
+    assert fresh.chains(5) == []  # no earlier occurrence of any suffix
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramIndex(0)
+
+
+# -- grafting chains onto a tree --------------------------------------------------------------------------------------
+def path_tokens_of(tree: DraftTree) -> list[tuple]:
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    out = []
+    for i in range(tree.num_nodes):
+        walk, j = [], i
+        while j > 0:
+            walk.append(tokens[j])
+            j = parents[j]
+        out.append(tuple(reversed(walk)))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(recorded_trees(), st.lists(st.lists(st.integers(0, 99), max_size=7), max_size=3))
+def test_graft_shares_prefixes_and_keeps_a_breadth_first_tree(case, chains):
+    recorder, _, total_tokens = case
+    tree = recorder.flatten(total_tokens)
+    # Draft levels may repeat a token under one parent in these random cases; real top-k levels never do.
+    before = path_tokens_of(tree)
+    grafted = graft_chains(tree, chains)
+    after = path_tokens_of(grafted)
+    parents, depths = grafted.parents.tolist(), grafted.depths.tolist()
+    assert parents[0] == -1 and depths == sorted(depths)
+    for i in range(1, grafted.num_nodes):
+        assert 0 <= parents[i] < i and depths[i] == depths[parents[i]] + 1
+    assert torch.equal(grafted.ancestors, brute_force_ancestors(parents))
+    # Every draft node is still there with its whole path; every chain prefix is a path of the tree.
+    assert sorted(after) == sorted(before + [p for p in set(after) if p not in before])
+    prefixes = {tuple(c[:k]) for c in chains for k in range(1, len(c) + 1)}
+    assert prefixes <= set(after)
+    # New nodes are exactly the chain prefixes no draft path had, each once, marked as lookup nodes.
+    new = prefixes - set(before)
+    assert grafted.num_nodes == tree.num_nodes + len(new)
+    marked = grafted.from_lookup.tolist() if grafted.from_lookup is not None else [False] * grafted.num_nodes
+    assert {after[i] for i in range(grafted.num_nodes) if marked[i]} == new
+    assert all(grafted.scores[i] == 0 for i in range(grafted.num_nodes) if marked[i])
+
+
+def hand_tree(tokens, parents) -> DraftTree:
+    parents_t = torch.tensor(parents)
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    return DraftTree(torch.tensor(tokens), parents_t, torch.tensor(depths), ancestor_matrix(parents_t, max(depths)),
+                     torch.zeros(len(tokens)))
+
+
+def test_graft_hand_built_cases():
+    # root 5; level 1: 6, 7; level 2: 8 (under 6), 9 (under 7); level 3 (the contrastive level): 10 under 8.
+    tree = hand_tree([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 2, 3])
+    # A chain that follows the draft to its deepest (contrastive) level and goes on below it.
+    grafted = graft_chains(tree, [[6, 8, 10, 11, 12]])
+    assert grafted.num_nodes == 8
+    assert path_tokens_of(grafted)[-2:] == [(6, 8, 10, 11), (6, 8, 10, 11, 12)]
+    assert grafted.from_lookup.tolist() == [False] * 6 + [True, True]
+    # A chain that leaves the draft after one token, and one entirely new; siblings stay distinct.
+    grafted = graft_chains(tree, [[7, 3], [4, 4]])
+    assert grafted.depths.tolist() == [0, 1, 1, 1, 2, 2, 2, 2, 3]
+    assert sorted(path_tokens_of(grafted)) == sorted(
+        [(), (6,), (7,), (4,), (6, 8), (7, 9), (7, 3), (4, 4), (6, 8, 10)]
+    )
+    # Chains the draft already holds add nothing.
+    assert graft_chains(tree, [[6, 8], [7], []]) is tree
+
+
+# -- decoding with lookup on --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pairs():
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            target = make_target(arch)
+            cache[arch] = (target, quick_trained_draft(target, steps=120))
+        return cache[arch]
+
+    return get
+
+
+def repetitive_prompt(g):
+    """A random span repeated with variations: suffixes recur, so the lookup proposes chains."""
+    span = random_prompt(g, 4, 12)
+    noise = torch.randint(3, 128, (1, 2), generator=g)
+    return torch.cat([span, noise, span, span[:, : span.shape[1] // 2]], dim=1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_identical_with_lookup(arch, pairs):
+    target, draft = pairs(arch)
+    g = torch.Generator().manual_seed(11)
+    lookup_rounds = 0
+    for i in range(16):
+        prompt = repetitive_prompt(g) if i % 4 else random_prompt(g)  # every fourth: likely no match at first
+        max_new = int(torch.randint(1, 40, (1,), generator=g))
+        expected = target.generate(prompt, do_sample=False, max_new_tokens=max_new)
+        shape = [(8, 2, 4, 6, 1), (24, 4, 6, 10, 2), (1, 1, 2, 3, 3)][i % 3]
+        with tree_settings(draft, total_tokens=shape[0], depth=shape[1], top_k=shape[2], lookup_tokens=shape[3],
+                           lookup_chains=shape[4]):
+            got = target.generate(prompt, do_sample=False, max_new_tokens=max_new, assistant_model=draft)
+        assert torch.equal(got, expected), f"prompt {i}"
+        lookup_rounds += draft.last_generation_stats.lookup_rounds
+    assert lookup_rounds > 0  # lookup nodes really were verified
+
+
+def cycle_target(cycle, eos_token_id=None):
+    """A target that continues every token of `cycle` with the next one (its layers' outputs are zeroed, so the
+    logits depend on the current token only and lm_head row `next(x)` is x's embedding): its output repeats."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=eos_token_id,
+                         pad_token_id=0, tie_word_embeddings=False)
+    target = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = target.model.embed_tokens.weight
+        embed.copy_(torch.nn.functional.normalize(torch.randn_like(embed), dim=-1) * 8)
+        head = torch.zeros_like(embed)
+        for x, y in zip(cycle, cycle[1:] + cycle[:1]):
+            head[y] = embed[x] * 4
+        target.lm_head.weight.copy_(head)
+    return target
+
+
+CYCLE = list(range(3, 15))
+
+
+def test_whole_chains_accepted_and_stops_inside_a_chain():
+    target = cycle_target(CYCLE)
+    draft = JakiroDraftModel.from_target(target)  # untrained: the chains carry the speedup
+    prompt = torch.tensor([CYCLE + CYCLE[:5]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    assert expected[0, prompt.shape[1] :].tolist() == (CYCLE[5:] + CYCLE * 3)[:40]  # the target really cycles
+    for max_new in (40, 17, 3):  # 17 and 3 end in the middle of a 10-token chain
+        with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
+            got = target.generate(prompt, do_sample=False, max_new_tokens=max_new, assistant_model=draft)
+        assert torch.equal(got, expected[:, : prompt.shape[1] + max_new])
+        stats = draft.last_generation_stats
+        assert stats.lookup_accepted >= max_new - 1 - stats.rounds  # nearly every token came from a chain
+    assert stats.accepted_lengths == [1, 2]  # the prefill's token, then a chain cut by max_new_tokens
+    with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
+        target.generate(prompt, do_sample=False, max_new_tokens=40, assistant_model=draft)
+    assert max(draft.last_generation_stats.accepted_lengths) == 11  # a whole 10-token chain plus the bonus token
+
+
+def test_eos_inside_a_chain_ends_generation_there():
+    eos = CYCLE[7]
+    target = cycle_target(CYCLE, eos_token_id=eos)
+    draft = JakiroDraftModel.from_target(target)
+    prompt = torch.tensor([CYCLE[:2] + CYCLE + CYCLE[:2]])  # the chain after "3 4" is 5 6 7 8 9 10 (EOS) 11 ...
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=30)
+    with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
+        got = target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=draft)
+    assert torch.equal(got, expected) and got[0, -1].item() == eos
+    assert draft.last_generation_stats.lookup_accepted >= 5
+
+
+def test_prompt_lookup_num_tokens_sets_the_lookup_budget(monkeypatch):
+    target = cycle_target(CYCLE)
+    draft = JakiroDraftModel.from_target(target)
+    prompt = torch.tensor([CYCLE + CYCLE[:5]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=30)
+    got = target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=draft, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, expected)
+    assert max(draft.last_generation_stats.accepted_lengths) == 5  # chains of 4 plus the bonus
+    target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=draft, prompt_lookup_num_tokens=0)
+    assert draft.last_generation_stats.lookup_rounds == 0  # 0 turns it off
+    got = target.generate(prompt, do_sample=False, max_new_tokens=30, custom_generate=jakiro_generate, draft=draft,
+                          lookup_tokens=6)
+    assert torch.equal(got, expected) and max(draft.last_generation_stats.accepted_lengths) == 7
+    # A head can ship lookup on by default.
+    draft.config.lookup_tokens = 8
+    assert TreeSettings.resolve(draft).lookup_tokens == 8
+    target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=draft)
+    assert max(draft.last_generation_stats.accepted_lengths) == 9
+
+
+def test_lookup_settings_are_validated(pairs):
+    _, draft = pairs("llama")
+    with pytest.raises(ValueError, match="lookup_tokens must be >= 0"):
+        with tree_settings(draft, lookup_tokens=-1):
+            pass
+    with pytest.raises(ValueError, match="lookup_chains must be >= 1"):
+        TreeSettings.resolve(draft, lookup_chains=0)
+    generator = JakiroCandidateGenerator(draft, TreeSettings.resolve(draft))
+    assert generator.lookup is None  # off by default: no index is kept
