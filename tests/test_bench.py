@@ -58,6 +58,9 @@ def test_every_method_and_outputs(models, tmp_path):
     for suite in ("mt_bench", "humaneval", "overall"):
         assert rows[(0.0, suite, "jakiro")]["match_rate"] == 1.0
         assert rows[(0.0, suite, "eagle2")]["match_rate"] == 1.0  # fp32, greedy: lossless
+        assert rows[(0.0, suite, "jakiro_lookup")]["match_rate"] == 1.0
+        assert 0.0 <= rows[(0.0, suite, "jakiro_lookup")]["lookup_share"] <= 1.0
+        assert rows[(0.0, suite, "jakiro")]["lookup_share"] is None
         assert rows[(0.0, suite, "plain")]["match_rate"] == 1.0
     # MT-bench runs its second turn; the method order rotates per prompt
     assert {s["turn"] for s in result["samples"] if s["suite"] == "mt_bench"} == {1, 2}
@@ -65,7 +68,9 @@ def test_every_method_and_outputs(models, tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["results"] == result["results"] and saved["machine"]["command"] == "jakiro bench --test"
     markdown = (tmp_path / "results.md").read_text()
-    assert "| suite | method | tokens/s | speedup | tau | efficiency | match rate | peak memory (MiB) |" in markdown
+    assert ("| suite | method | tokens/s | speedup | tau | efficiency | match rate | lookup share | peak memory (MiB) |"
+            in markdown)
+    assert result["config"]["tree_settings"]["lookup_tokens (jakiro_lookup)"] == bench.LOOKUP_TOKENS
     assert "| overall | prompt_lookup |" in markdown and "n/a" in markdown
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -157,6 +162,30 @@ def test_tune_measures_and_chooses(models):
     assert (expected["total_tokens"], expected["depth"]) == (chosen["total_tokens"], chosen["depth"])
     assert result["outputs_identical"] and result["gain_over_default"] > 0
     assert len(result["acceptance"]["12"]["acceptance_rates"]) == 4  # depth 3 + the contrastive level
+    # n-gram lookup budgets are measured with the chosen tree and the fastest is kept
+    assert set(result["lookup"]) == {str(b) for b in bench.TUNE_LOOKUP_TOKENS}
+    fastest = max(bench.TUNE_LOOKUP_TOKENS, key=lambda b: result["lookup"][str(b)]["tokens_per_s"])
+    assert result["chosen"]["lookup_tokens"] == fastest
+
+
+def test_lookup_rows_use_the_tuned_or_default_budget(models, monkeypatch):
+    target, tokenizer, draft, _ = models
+    seen = []
+    real = bench.generate_once
+
+    def spy(target, inputs, method, draft, assistant, sampling, settings):
+        record = real(target, inputs, method, draft, assistant, sampling, settings)
+        if method in bench.TREE_METHODS:
+            seen.append((method, draft.last_generation_stats.lookup_rounds))
+        return record
+
+    monkeypatch.setattr(bench, "generate_once", spy)
+    prompt = {"mt_bench": [{"id": "1", "turns": ["abcabcabcabc"]}]}
+    bench.run_benchmark(target, tokenizer, draft, prompts=prompt, methods=["jakiro", "jakiro_lookup"],
+                        max_new_tokens=8, log=lambda _: None)
+    assert {m for m, _ in seen} == {"jakiro", "jakiro_lookup"}
+    assert all(rounds == 0 for m, rounds in seen if m == "jakiro")  # the draft tree alone
+    assert any(rounds > 0 for m, rounds in seen if m == "jakiro_lookup")  # the repeated text gave chains
 
 
 def test_update_head_records_tuning_and_results(models, tmp_path):
@@ -174,12 +203,12 @@ def test_update_head_records_tuning_and_results(models, tmp_path):
             "results": [row, {**row, "method": "plain", "speedup": 1.0, "tau": None}, {**row, "suite": "overall"}],
         }
         if tune:
-            out["tune"] = {"chosen": {"total_tokens": 8, "depth": 3}}
+            out["tune"] = {"chosen": {"total_tokens": 8, "depth": 3, "lookup_tokens": 5}}
         return out
 
     bench.update_head(tmp_path, result(10.0, tune=True))
     config = json.loads((tmp_path / "config.json").read_text())
-    assert (config["total_tokens"], config["depth"]) == (8, 3)
+    assert (config["total_tokens"], config["depth"], config["lookup_tokens"]) == (8, 3, 5)
     assert (config["total_tokens"], config["depth"]) != (draft.config.total_tokens, draft.config.depth)
     bench.update_head(tmp_path, result(12.5, tune=False))  # same dtype and suite: replaces the entry
     report = json.loads((tmp_path / "jakiro_training.json").read_text())

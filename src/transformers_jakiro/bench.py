@@ -30,7 +30,9 @@ exact command), `results.md` and `speedup.png`.
 against depth, and the head's acceptance profile (per-depth acceptance rates from short Jakiro runs at each tree
 size), picks the `total_tokens`/`depth` with the highest predicted tokens/s = E[accepted + 1] / (t_verify(n) +
 t_draft(depth)) (`choose_tree_settings`), measures the chosen settings against the defaults in the same run, and
-uses them for the jakiro/eagle2 rows of the benchmark.
+uses them for the jakiro/eagle2 rows of the benchmark. It then runs the chosen tree with each n-gram lookup budget
+(`TUNE_LOOKUP_TOKENS`, 0 = off) on the same prompts and keeps the fastest for the jakiro_lookup row (10 when off wins,
+so that the row still shows what lookup does).
 """
 
 from __future__ import annotations
@@ -62,10 +64,12 @@ from .generation import (
 from .kv_cache import new_target_cache, truncate
 from .tree import DraftTree
 
-METHODS = ("plain", "jakiro", "eagle2", "assisted", "prompt_lookup")
-TREE_METHODS = ("jakiro", "eagle2")
+METHODS = ("plain", "jakiro", "jakiro_lookup", "eagle2", "assisted", "prompt_lookup")
+# jakiro and eagle2 run the draft tree alone (n-gram lookup off); jakiro_lookup adds lookup chains (hybrid tree).
+TREE_METHODS = ("jakiro", "jakiro_lookup", "eagle2")
 SUITES = ("mt_bench", "humaneval", "alpaca")
 PROMPT_LOOKUP_NUM_TOKENS = 10
+LOOKUP_TOKENS = 10  # jakiro_lookup's chain budget when neither --tune nor the head chose one
 # The benchmark questions live in shared/data/bench beside a checkout of this repository; $JAKIRO_BENCH_DATA or
 # --data-dir point elsewhere.
 DEFAULT_DATA_DIR = Path(
@@ -73,6 +77,7 @@ DEFAULT_DATA_DIR = Path(
 )
 TUNE_SIZES = (1, 4, 8, 16, 32, 64)
 TUNE_DEPTHS = (1, 2, 3, 4, 5, 6)
+TUNE_LOOKUP_TOKENS = (0, 5, 10, 20)  # lookup chain budgets --tune compares (0: off)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -210,6 +215,10 @@ def generate_once(target, inputs, method, draft, assistant, sampling, settings) 
     overrides = dict(settings or {})
     if method == "eagle2":
         overrides["contrastive"] = False
+    if method in ("jakiro", "eagle2"):
+        overrides["lookup_tokens"] = 0
+    elif method == "jakiro_lookup":
+        overrides["lookup_tokens"] = overrides.get("lookup_tokens") or draft.config.lookup_tokens or LOOKUP_TOKENS
     _sync(device)
     start = time.perf_counter()
     if method in TREE_METHODS:
@@ -224,7 +233,8 @@ def generate_once(target, inputs, method, draft, assistant, sampling, settings) 
     if method in TREE_METHODS:
         stats = draft.last_generation_stats
         record.update(rounds=stats.rounds, accepted_lengths=list(stats.accepted_lengths),
-                      draft_time_s=stats.draft_time_s, verify_time_s=stats.verify_time_s)
+                      draft_time_s=stats.draft_time_s, verify_time_s=stats.verify_time_s,
+                      lookup_accepted=stats.lookup_accepted)
     return record
 
 
@@ -239,6 +249,7 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
             mine = [s for s in chosen if s["method"] == method]
             tokens, seconds = sum(s["new_tokens"] for s in mine), sum(s["time_s"] for s in mine)
             rounds = sum(s.get("rounds", 0) for s in mine)
+            lookup = sum(s.get("lookup_accepted", 0) for s in mine)
             per_method[method] = dict(
                 temperature=temperature,
                 suite=suite,
@@ -248,6 +259,7 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
                 time_s=round(seconds, 4),
                 tokens_per_s=tokens / seconds if seconds else 0.0,
                 tau=tokens / rounds if method in TREE_METHODS and rounds else None,
+                lookup_share=lookup / tokens if method == "jakiro_lookup" and tokens else None,
                 match_rate=sum(s["matches_baseline"] for s in mine) / len(mine) if temperature == 0 and mine else None,
                 peak_memory_mb=round(max((s["peak_memory_mb"] for s in mine), default=0.0), 1),
             )
@@ -256,7 +268,7 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
             row["speedup"] = row["tokens_per_s"] / base if base else None
             row["efficiency"] = row["speedup"] / row["tau"] if row["speedup"] is not None and row["tau"] else None
             row["tokens_per_s"] = round(row["tokens_per_s"], 3)
-            for key in ("speedup", "tau", "efficiency", "match_rate"):
+            for key in ("speedup", "tau", "efficiency", "match_rate", "lookup_share"):
                 if row[key] is not None:
                     row[key] = round(row[key], 4)
             rows.append(row)
@@ -390,6 +402,13 @@ def acceptance_profile(accepted_lengths: Sequence[Sequence[int]], levels: int) -
     return {"rounds": rounds, "survival": survival, "acceptance_rates": rates}
 
 
+def tuning_prompts(prompts: Mapping[str, list[dict]]) -> list[dict]:
+    """The first prompt of each suite (two when there is one suite): tuning sees every kind of text benchmarked."""
+    suites = [records for records in prompts.values() if records]
+    chosen = [records[0] for records in suites]
+    return chosen if len(chosen) > 1 else suites[0][:2]
+
+
 def tune(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 32, sizes=TUNE_SIZES,
          depths=TUNE_DEPTHS, repeats: int = 3, log=print) -> dict:
     """Measure costs and the acceptance profile on `prompts` (first turns, greedy), choose the tree settings, and
@@ -426,6 +445,8 @@ def tune(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 32
         rounds = sum(r["rounds"] for r in records)
         measured[name] = {"tokens_per_s": round(tokens / seconds, 3), "tau": round(tokens / rounds, 4)}
     identical = all(a["new_ids"] == b["new_ids"] for a, b in zip(runs["default"], runs["chosen"]))
+    lookup = tune_lookup(target, draft, inputs, sampling, chosen, log=log)
+    identical = identical and lookup.pop("outputs_identical")
     result = {
         "context_length": costs["context_length"],
         "verify_s": {str(n): t for n, t in costs["verify_s"].items()},  # n = 0: a one-token (plain) step
@@ -434,7 +455,9 @@ def tune(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 32
         "default": {"total_tokens": default.total_tokens, "depth": default.depth, "top_k": default.top_k,
                     **measured["default"]},
         "chosen": {**chosen, "top_k": default.top_k, **measured["chosen"],
-                   "predicted_tokens_per_s": round(choice["predicted_tokens_per_s"], 3)},
+                   "predicted_tokens_per_s": round(choice["predicted_tokens_per_s"], 3),
+                   "lookup_tokens": lookup["chosen"]},
+        "lookup": lookup["measured"],
         "gain_over_default": round(measured["chosen"]["tokens_per_s"] / measured["default"]["tokens_per_s"], 4),
         "outputs_identical": identical,
         "candidates": [{k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}
@@ -449,6 +472,28 @@ def tune(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 32
 # ---------------------------------------------------------------------------------------------------------------------
 # The benchmark
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def tune_lookup(target, draft, inputs, sampling, tree: dict, budgets=TUNE_LOOKUP_TOKENS, log=print) -> dict:
+    """Run the chosen draft tree with each n-gram lookup budget on the tuning prompts (rotating which goes first)
+    and pick the fastest. Lookup's value depends on the text (code that repeats its prompt, answers that quote a
+    passage), which no cost model predicts, so it is measured. Returns {"chosen", "measured", "outputs_identical"}."""
+    runs = {budget: [] for budget in budgets}
+    for i, x in enumerate(inputs):
+        order = list(budgets[i % len(budgets):]) + list(budgets[: i % len(budgets)])
+        for budget in order:
+            method = "jakiro_lookup" if budget else "jakiro"  # jakiro runs the draft tree alone
+            runs[budget].append(generate_once(target, x, method, draft, None, sampling, {**tree, "lookup_tokens": budget}))
+    measured = {}
+    for budget, records in runs.items():
+        tokens, seconds = sum(r["new_tokens"] for r in records), sum(r["time_s"] for r in records)
+        rounds = sum(r["rounds"] for r in records)
+        measured[str(budget)] = {"tokens_per_s": round(tokens / seconds, 3), "tau": round(tokens / rounds, 4)}
+    best = max(budgets, key=lambda b: measured[str(b)]["tokens_per_s"])
+    identical = all(len({tuple(runs[b][i]["new_ids"]) for b in budgets}) == 1 for i in range(len(inputs)))
+    log("tune: n-gram lookup budget " + ", ".join(f"{b}: {measured[str(b)]['tokens_per_s']} tok/s" for b in budgets)
+        + f"; chose {best}")
+    return {"chosen": best, "measured": measured, "outputs_identical": identical}
 
 
 def machine_info(target, dtype, command: str | None) -> dict:
@@ -545,15 +590,18 @@ def run_benchmark(
 
     tree = {}
     if draft is not None:
-        first = next(records for records in prompts.values() if records)
         if tune_settings:
             kwargs = {"max_new_tokens": min(32, max_new_tokens), **(tune_kwargs or {})}
-            result["tune"] = tune(target, tokenizer, draft, first[:2], log=log, **kwargs)
-            tree = {"total_tokens": result["tune"]["chosen"]["total_tokens"],
-                    "depth": result["tune"]["chosen"]["depth"]}
+            result["tune"] = tune(target, tokenizer, draft, tuning_prompts(prompts), log=log, **kwargs)
+            chosen = result["tune"]["chosen"]
+            tree = {"total_tokens": chosen["total_tokens"], "depth": chosen["depth"]}
+            if chosen["lookup_tokens"]:
+                tree["lookup_tokens"] = chosen["lookup_tokens"]
         resolved = TreeSettings.resolve(draft, **tree)
+        lookup = tree.get("lookup_tokens") or draft.config.lookup_tokens or LOOKUP_TOKENS
         result["config"]["tree_settings"] = {"total_tokens": resolved.total_tokens, "depth": resolved.depth,
                                              "top_k": resolved.top_k, "contrastive_head": resolved.contrastive,
+                                             "lookup_tokens (jakiro_lookup)": lookup,
                                              "source": "tuned" if tune_settings else "draft config"}
 
     # Warm-up: one short generation per method.
@@ -636,15 +684,15 @@ def markdown_table(result: dict) -> str:
         lines.append(f"- tree settings: {config['tree_settings']}")
     for temperature in config["temperatures"]:
         lines += ["", f"## Temperature {temperature:g}", "",
-                  "| suite | method | tokens/s | speedup | tau | efficiency | match rate | peak memory (MiB) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "| suite | method | tokens/s | speedup | tau | efficiency | match rate | lookup share | peak memory (MiB) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for row in result["results"]:
             if row["temperature"] != temperature:
                 continue
             lines.append(
                 f"| {row['suite']} | {row['method']} | {row['tokens_per_s']:.2f} | {_fmt(row['speedup'], 2, 'x')} | "
                 f"{_fmt(row['tau'])} | {_fmt(row['efficiency'])} | {_fmt(row['match_rate'])} | "
-                f"{row['peak_memory_mb']:.0f} |"
+                f"{_fmt(row.get('lookup_share'))} | {row['peak_memory_mb']:.0f} |"
             )
     if "tune" in result:
         t = result["tune"]
@@ -657,6 +705,10 @@ def markdown_table(result: dict) -> str:
                   f"{t['chosen']['tokens_per_s']} tok/s (tau {t['chosen']['tau']}) vs defaults "
                   f"total_tokens={t['default']['total_tokens']} depth={t['default']['depth']}: "
                   f"{t['default']['tokens_per_s']} tok/s (tau {t['default']['tau']}); gain {t['gain_over_default']}x."]
+        if "lookup" in t:
+            lines += ["", "N-gram lookup budget (lookup_tokens) with the chosen tree: "
+                      + ", ".join(f"{b}: {m['tokens_per_s']} tok/s (tau {m['tau']})" for b, m in t["lookup"].items())
+                      + f"; chose {t['chosen']['lookup_tokens']}."]
     return "\n".join(lines) + "\n"
 
 
@@ -714,9 +766,11 @@ def head_metrics(result: dict) -> dict:
     suites = result["config"].get("suites") or sorted({r["suite"] for r in result["results"]} - {"overall"})
     settings = result["config"].get("tree_settings", {})
     for row in result["results"]:
-        if row["method"] != "jakiro" or (row["suite"] == "overall" and len(suites) < 2):
+        if row["method"] not in ("jakiro", "jakiro_lookup") or (row["suite"] == "overall" and len(suites) < 2):
             continue
         suite = "+".join(suites) if row["suite"] == "overall" else row["suite"]
+        if row["method"] == "jakiro_lookup":
+            suite += f" with n-gram lookup ({settings.get('lookup_tokens (jakiro_lookup)')} tokens)"
         text = (f"{row['tokens_per_s']:.2f} tok/s, {_fmt(row['speedup'], 2, 'x')} over plain generate, "
                 f"tau {_fmt(row['tau'])}")
         if row["match_rate"] is not None:
@@ -739,6 +793,7 @@ def update_head(draft_dir: str | os.PathLike, result: dict) -> dict:
         config = JakiroConfig.from_pretrained(draft_dir)
         config.total_tokens = result["tune"]["chosen"]["total_tokens"]
         config.depth = result["tune"]["chosen"]["depth"]
+        config.lookup_tokens = result["tune"]["chosen"].get("lookup_tokens", 0)
         config.save_pretrained(draft_dir)
     report_path = draft_dir / "jakiro_training.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"summary": {}, "metrics": {}}
