@@ -171,21 +171,19 @@ def test_tune_measures_and_chooses(models):
 def test_lookup_rows_use_the_tuned_or_default_budget(models, monkeypatch):
     target, tokenizer, draft, _ = models
     seen = []
-    real = bench.generate_once
+    real = bench.tree_settings
 
-    def spy(target, inputs, method, draft, assistant, sampling, settings):
-        record = real(target, inputs, method, draft, assistant, sampling, settings)
-        if method in bench.TREE_METHODS:
-            seen.append((method, draft.last_generation_stats.lookup_rounds))
-        return record
+    def spy(draft, **overrides):
+        seen.append(overrides)
+        return real(draft, **overrides)
 
-    monkeypatch.setattr(bench, "generate_once", spy)
+    monkeypatch.setattr(bench, "tree_settings", spy)
     prompt = {"mt_bench": [{"id": "1", "turns": ["abcabcabcabc"]}]}
-    bench.run_benchmark(target, tokenizer, draft, prompts=prompt, methods=["jakiro", "jakiro_lookup"],
+    bench.run_benchmark(target, tokenizer, draft, prompts=prompt, methods=["jakiro", "jakiro_lookup", "eagle2"],
                         max_new_tokens=8, log=lambda _: None)
-    assert {m for m, _ in seen} == {"jakiro", "jakiro_lookup"}
-    assert all(rounds == 0 for m, rounds in seen if m == "jakiro")  # the draft tree alone
-    assert any(rounds > 0 for m, rounds in seen if m == "jakiro_lookup")  # the repeated text gave chains
+    budgets = {(o.get("contrastive", True), o["lookup_tokens"]) for o in seen}
+    # jakiro and eagle2: the draft tree alone; jakiro_lookup: the default chain budget (nothing tuned, head has 0)
+    assert budgets == {(True, 0), (False, 0), (True, bench.LOOKUP_TOKENS)}
 
 
 def test_update_head_records_tuning_and_results(models, tmp_path):
