@@ -221,3 +221,9 @@ def test_update_head_records_tuning_and_results(models, tmp_path):
         "jakiro bench: mt_bench, temperature 0 (torch.float32, cpu)",
         "jakiro bench: mt_bench+alpaca, temperature 0 (torch.float32, cpu)",
     }
+
+
+def test_shipped_grounded_suite_loads_beside_the_shared_ones(tmp_path):
+    records = bench.load_suite("grounded", num_prompts=3, data_dir=tmp_path)  # not in data_dir: the shipped copy
+    assert len(records) == 3 and all(r["category"] for r in records)
+    assert "```python" in records[0]["turns"][0]  # the passage the answer works on is in the prompt

@@ -75,6 +75,9 @@ LOOKUP_TOKENS = 10  # jakiro_lookup's chain budget when neither --tune nor the h
 DEFAULT_DATA_DIR = Path(
     os.environ.get("JAKIRO_BENCH_DATA", Path(__file__).resolve().parents[3] / "shared" / "data" / "bench")
 )
+# Suites of our own, in this repository: `grounded` (a passage or function in the prompt that the answer quotes,
+# edits or summarises; scripts/grounded_prompts.py). Found when --data-dir has no file of that name.
+SHIPPED_SUITES = Path(__file__).resolve().parents[2] / "benchmarks" / "suites"
 TUNE_SIZES = (1, 4, 8, 16, 32, 64)
 TUNE_DEPTHS = (1, 2, 3, 4, 5, 6)
 TUNE_LOOKUP_TOKENS = (0, 5, 10, 20)  # lookup chain budgets --tune compares (0: off)
@@ -96,6 +99,8 @@ def load_suite(
     `spread_categories`: take them round-robin over the categories instead (first of each category in file order,
     then the second of each, ...), so that a few prompts cover MT-bench's eight categories, not only its first."""
     path = Path(data_dir or DEFAULT_DATA_DIR) / f"{suite}.jsonl"
+    if not path.is_file() and (SHIPPED_SUITES / f"{suite}.jsonl").is_file():
+        path = SHIPPED_SUITES / f"{suite}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"benchmark suite {suite!r} not found: {path} (set --data-dir or JAKIRO_BENCH_DATA)")
     records = []
