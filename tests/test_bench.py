@@ -227,3 +227,17 @@ def test_shipped_grounded_suite_loads_beside_the_shared_ones(tmp_path):
     records = bench.load_suite("grounded", num_prompts=3, data_dir=tmp_path)  # not in data_dir: the shipped copy
     assert len(records) == 3 and all(r["category"] for r in records)
     assert "```python" in records[0]["turns"][0]  # the passage the answer works on is in the prompt
+
+
+def test_acceptance_at_depth_in_rows():
+    samples = [
+        {"suite": "s", "method": "jakiro", "new_tokens": 9, "time_s": 1.0, "rounds": 5, "accepted_lengths": [1, 3, 1, 2, 2],
+         "matches_baseline": True, "peak_memory_mb": 1.0},
+        {"suite": "s", "method": "plain", "new_tokens": 9, "time_s": 2.0, "matches_baseline": True,
+         "peak_memory_mb": 1.0},
+    ]
+    rows = {r["method"]: r for r in bench.summarize(samples, ["plain", "jakiro"], 0.0) if r["suite"] == "s"}
+    # rounds 2-4 (prefill and last left out) accepted 2, 0 and 1 draft tokens
+    assert rows["jakiro"]["acceptance_at_depth"] == [round(2 / 3, 4), round(1 / 3, 4)]
+    assert rows["plain"]["acceptance_at_depth"] is None
+    assert bench.format_acceptance([0.5, 0.25]) == "d>=1 0.50, d>=2 0.25"

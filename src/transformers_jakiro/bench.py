@@ -255,6 +255,8 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
             tokens, seconds = sum(s["new_tokens"] for s in mine), sum(s["time_s"] for s in mine)
             rounds = sum(s.get("rounds", 0) for s in mine)
             lookup = sum(s.get("lookup_accepted", 0) for s in mine)
+            levels = max((len(s["accepted_lengths"]) and max(s["accepted_lengths"]) for s in mine
+                          if "accepted_lengths" in s), default=1) - 1
             per_method[method] = dict(
                 temperature=temperature,
                 suite=suite,
@@ -265,6 +267,10 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
                 tokens_per_s=tokens / seconds if seconds else 0.0,
                 tau=tokens / rounds if method in TREE_METHODS and rounds else None,
                 lookup_share=lookup / tokens if method == "jakiro_lookup" and tokens else None,
+                # the share of draft-verify rounds (prefill and each generation's last round left out) that accepted
+                # at least d draft tokens, d = 1.. the deepest acceptance seen
+                acceptance_at_depth=[round(x, 4) for x in acceptance_profile(
+                    [s["accepted_lengths"] for s in mine], levels)["survival"]] if method in TREE_METHODS else None,
                 match_rate=sum(s["matches_baseline"] for s in mine) / len(mine) if temperature == 0 and mine else None,
                 peak_memory_mb=round(max((s["peak_memory_mb"] for s in mine), default=0.0), 1),
             )
@@ -412,6 +418,11 @@ def tuning_prompts(prompts: Mapping[str, list[dict]]) -> list[dict]:
     suites = [records for records in prompts.values() if records]
     chosen = [records[0] for records in suites]
     return chosen if len(chosen) > 1 else suites[0][:2]
+
+
+def format_acceptance(survival: Sequence[float]) -> str:
+    """`[0.6, 0.3]` -> "d>=1 0.60, d>=2 0.30": the share of draft rounds that accept at least d draft tokens."""
+    return ", ".join(f"d>={d} {share:.2f}" for d, share in enumerate(survival, start=1))
 
 
 def tune(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 32, sizes=TUNE_SIZES,
@@ -699,6 +710,11 @@ def markdown_table(result: dict) -> str:
                 f"{_fmt(row['tau'])} | {_fmt(row['efficiency'])} | {_fmt(row['match_rate'])} | "
                 f"{_fmt(row.get('lookup_share'))} | {row['peak_memory_mb']:.0f} |"
             )
+        depth_rows = [r for r in result["results"] if r["temperature"] == temperature and r.get("acceptance_at_depth")]
+        if depth_rows:
+            lines += ["", "Share of draft-verify rounds accepting at least d draft tokens:", ""]
+            lines += [f"- {r['suite']} / {r['method']}: {format_acceptance(r['acceptance_at_depth'])}"
+                      for r in depth_rows]
     if "tune" in result:
         t = result["tune"]
         lines += ["", "## Tree tuning", "",
@@ -780,6 +796,8 @@ def head_metrics(result: dict) -> dict:
                 f"tau {_fmt(row['tau'])}")
         if row["match_rate"] is not None:
             text += f", outputs identical to plain on {row['match_rate']:.0%} of generations"
+        if row.get("acceptance_at_depth"):
+            text += f", rounds accepting >= d tokens: {format_acceptance(row['acceptance_at_depth'][:6])}"
         text += (f" ({row['generations']} generations, max_new_tokens={result['config']['max_new_tokens']}, "
                  f"tree {settings.get('total_tokens')}/{settings.get('depth')}/{settings.get('top_k')})")
         entries[f"jakiro bench: {suite}, temperature {row['temperature']:g} ({where})"] = text

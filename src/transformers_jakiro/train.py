@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .distill import _render, load_target_or_explain, read_jsonl, read_prompts
+from .bench import acceptance_profile, format_acceptance
+from .generation import TreeSettings
 from .modeling_jakiro import JakiroDraftModel
 from .sharegpt import benchmark_prompts, is_data_spec, read_sources, sharegpt_messages
 
@@ -421,10 +423,15 @@ def evaluate_tau(target, tokenizer, draft, prompts: list[tuple[str, str]], max_n
         )
         stats = draft.last_generation_stats
         rows.append(
-            dict(id=pid, tau=round(stats.mean_accepted_length, 3), new_tokens=stats.new_tokens, rounds=stats.rounds)
+            dict(id=pid, tau=round(stats.mean_accepted_length, 3), new_tokens=stats.new_tokens, rounds=stats.rounds,
+                 accepted_lengths=list(stats.accepted_lengths))
         )
     rounds = sum(r["rounds"] for r in rows)
-    return {"tau": sum(r["new_tokens"] for r in rows) / rounds if rounds else 0.0, "per_prompt": rows}
+    settings = TreeSettings.resolve(draft)
+    levels = settings.depth + (1 if settings.contrastive else 0)
+    profile = acceptance_profile([r.pop("accepted_lengths") for r in rows], levels)
+    return {"tau": sum(r["new_tokens"] for r in rows) / rounds if rounds else 0.0, "per_prompt": rows,
+            "acceptance_at_depth": profile["survival"]}
 
 
 # -- the whole run ----------------------------------------------------------------------------------------------------
@@ -608,10 +615,12 @@ def _finish(
         metrics = {
             "tau": round(result["tau"], 3),
             "tau per prompt": ", ".join(f"{r['tau']:.2f}" for r in result["per_prompt"]),
+            "acceptance per depth": format_acceptance(result["acceptance_at_depth"]),
             "evaluation": f"{len(eval_prompts)} held-out prompts, greedy, max_new_tokens={eval_max_new_tokens}, "
             f"tree total_tokens={c.total_tokens} depth={c.depth} top_k={c.top_k}",
         }
         print(f"tau = {result['tau']:.3f} (per prompt: {metrics['tau per prompt']})")
+        print(f"share of draft rounds accepting at least d tokens: {metrics['acceptance per depth']}")
     world = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     summary = {
         "target": target_name or target.config._name_or_path,
