@@ -22,7 +22,8 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessorList
 
 from transformers_jakiro import JakiroDraftModel
-from transformers_jakiro.generation import JakiroCandidateGenerator, TreeSettings, _cache_kwarg, verify_tree
+from transformers_jakiro.decoding import _cache_kwarg, verify_tree
+from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.kv_cache import new_target_cache, truncate
 
 SHAPES = {

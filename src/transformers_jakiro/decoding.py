@@ -1,0 +1,287 @@
+"""The Jakiro decoding loop: prefill, then draft-verify rounds until a stopping criterion fires.
+
+One round: the draft expands a token tree (`drafting.JakiroCandidateGenerator`); the target verifies the whole tree
+in one forward with a tree attention mask (`verify_tree`); the acceptance rule (`verification.verify`) keeps the
+longest path that agrees with the target plus one bonus token; both caches are cut back to the accepted path.
+
+`jakiro_decode` is the loop that both entry points run (see `generation.py` for the `assistant_model` route);
+`jakiro_generate` is the public `custom_generate` entry point.
+"""
+
+import inspect
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from . import verification
+from .drafting import JakiroCandidateGenerator, TreeSettings
+from .kv_cache import keep_accepted, new_target_cache, truncate
+from .logits import check_processors, process_tree_logits
+from .modeling_jakiro import JakiroDraftModel
+from .tree import DraftTree
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+@dataclass
+class JakiroGenerationStats:
+    """What the last `generate` call did. A round is one target forward (the prefill counts as the first round,
+    accepting one token); `accepted_lengths[i]` is how many tokens round i added, bonus token included, so
+    `new_tokens == sum(accepted_lengths)` and `mean_accepted_length` (tau) `== new_tokens / rounds`.
+    Times are host wall-clock seconds."""
+
+    new_tokens: int = 0
+    rounds: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    def record(self, accepted: int) -> None:
+        self.rounds += 1
+        self.new_tokens += accepted
+        self.accepted_lengths.append(accepted)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "mean_accepted_length": self.mean_accepted_length}
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5.24 renamed the forward argument `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _check_supported(target, draft, input_ids, processors, model_kwargs) -> None:
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"Jakiro decoding supports batch size 1 for now; got a batch of {input_ids.shape[0]}. "
+            "Call generate once per prompt."
+        )
+    attention = getattr(target.config, "_attn_implementation", None) or "sdpa"
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"The target uses attn_implementation='{attention}'. Tree verification needs an explicit 4D tree mask, "
+            f"which only {' and '.join(SUPPORTED_ATTENTION)} honour; load the target with attn_implementation='sdpa'."
+        )
+    if target.config.is_encoder_decoder:
+        raise ValueError("Jakiro decoding supports decoder-only targets only.")
+    for key in ("cache", "past_key_values"):
+        given = model_kwargs.get(key)
+        if given is not None and given.get_seq_length() > 0:
+            raise ValueError("Jakiro decoding starts from an empty cache; do not pass a filled cache to generate.")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("Jakiro decoding needs input_ids, not inputs_embeds.")
+    check_processors(processors)
+    draft.bind_target(target)  # checks shapes every call: the draft may have been bound to another target before
+
+
+def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor):
+    """The target's output layer, when leaf logits may be left to `verify_tree` to compute lazily; else None.
+
+    Most tree nodes are leaves, and a leaf's logits matter only when the accepted path ends there, so the target's
+    forward can keep logits for internal nodes only (`logits_to_keep` with node indices) and apply its output layer
+    to one leaf afterwards. The aim is to skip most of the lm_head rows of a verify forward on a CPU, where compute
+    grows with every row; but the leaf's one-row product reads the whole output matrix again, and on SmolLM2-135M
+    with 2 cores the two paths measured within noise of each other, on Qwen2.5-Coder-1.5B (a 151936-row output
+    layer) the lazy path was 0.79-1.00x the time (README). On an accelerator extra rows are nearly free and the
+    extra host sync is not, so the full logits are kept there. `last_hidden`/`last_logits` (the prefill's last
+    position) check that the output layer alone reproduces the model's logits: models that scale or soft-cap logits
+    after it keep the full path.
+    """
+    if last_hidden.device.type != "cpu" or "logits_to_keep" not in inspect.signature(target.forward).parameters:
+        return None
+    head = target.get_output_embeddings()
+    if head is None:
+        return None
+    reproduced = head(last_hidden).float()
+    return head if torch.allclose(reproduced, last_logits.float(), rtol=1e-3, atol=1e-3) else None
+
+
+def verify_tree(target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool, leaf_head=None):
+    """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
+    depth), per-node logits processing, acceptance, and the cache cut back to the accepted path.
+
+    Returns (path, bonus, processed logits, raw logits, target hidden states), the last three at the path's nodes.
+    `sequence` ([1, length], ending with the root token) is what the logits processors see as the prefix.
+    `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at most one leaf after.
+    """
+    past = cache.get_seq_length()
+    internal = tree.internal_nodes() if leaf_head is not None else None
+    out = target(
+        input_ids=tree.tokens[None],
+        position_ids=tree.position_ids(past),
+        attention_mask=tree.attention_mask(past, target.dtype),
+        use_cache=True,
+        output_hidden_states=True,
+        **({} if internal is None else {"logits_to_keep": internal}),
+        **{cache_kwarg: cache},
+    )
+    features = out.hidden_states[-1][0]
+    raw = out.logits[0].float()
+    processed = process_tree_logits(processors, sequence, tree, raw, nodes=internal)
+    if internal is None:
+        path, bonus = verification.verify(tree, processed, do_sample)
+        keep_accepted(cache, past, path)
+        return path, bonus, processed[path], raw[path], features[path]
+
+    leaf = {}
+
+    def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
+        leaf["raw"] = leaf_head(features[node][None]).float()
+        leaf["processed"] = process_tree_logits(processors, sequence, tree, leaf["raw"], nodes=node[None])
+        return leaf["processed"][0]
+
+    path, bonus = verification.verify(tree, processed, do_sample, leaf_logits)
+    keep_accepted(cache, past, path)
+    row = torch.full_like(tree.tokens, -1)
+    row[internal] = torch.arange(internal.numel(), device=internal.device)
+    if leaf:  # every node of the path but the last is internal
+        rows = row[path[:-1]]
+        processed, raw = torch.cat([processed[rows], leaf["processed"]]), torch.cat([raw[rows], leaf["raw"]])
+    else:
+        processed, raw = processed[row[path]], raw[row[path]]
+    return path, bonus, processed, raw, features[path]
+
+
+@torch.no_grad()
+def jakiro_decode(
+    target,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    draft: JakiroDraftModel,
+    streamer=None,
+    settings: TreeSettings | None = None,
+    **model_kwargs,
+):
+    """The decoding loop; `generate` has already prepared processors, stopping criteria and the config."""
+    _check_supported(target, draft, input_ids, logits_processor, model_kwargs)
+    settings = settings or TreeSettings.resolve(draft)
+    do_sample = generation_config.do_sample
+    want_dict = generation_config.return_dict_in_generate
+    keep_scores = want_dict and generation_config.output_scores
+    keep_logits = want_dict and generation_config.output_logits
+    scores, raw_logits = ([] if keep_scores else None), ([] if keep_logits else None)
+
+    # Left padding in a batch of one: the models never see the padded positions (plain generate gives them no
+    # attention and continues positions after them, which is what decoding the unpadded prompt computes), but the
+    # logits processors and stopping criteria see the full row, exactly as in plain generate.
+    attention_mask = model_kwargs.get("attention_mask")
+    padding = 0
+    if attention_mask is not None and not bool(attention_mask.all()):
+        padding = int((attention_mask[0].cumsum(0) == 0).sum())
+        if not bool(attention_mask[0, padding:].all()):
+            raise ValueError("Jakiro decoding supports left padding only (zeros before the first real token).")
+
+    stats = JakiroGenerationStats()
+    started = time.perf_counter()
+    target_device = target.get_input_embeddings().weight.device
+    sequence = input_ids.to(target_device)
+    cache = new_target_cache(target.config)
+    cache_kwarg = _cache_kwarg(target)
+    candidates = JakiroCandidateGenerator(draft, settings)
+
+    def emit(new_tokens: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
+        """Append tokens one at a time, checking the stopping criteria after each; True when generation ends."""
+        nonlocal sequence
+        for i, token in enumerate(new_tokens):
+            sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)
+            if keep_scores:
+                scores.append(processed[i : i + 1])
+            if keep_logits:
+                raw_logits.append(raw[i : i + 1])
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            if bool(stopping_criteria(sequence, processed[i : i + 1]).any()):
+                stats.record(i + 1)
+                return True
+        stats.record(len(new_tokens))
+        return False
+
+    # Prefill: the prompt through the target, the first token from its last position.
+    tic = time.perf_counter()
+    out = target(
+        input_ids=sequence[:, padding:],
+        use_cache=True,
+        output_hidden_states=True,
+        logits_to_keep=1,
+        **{cache_kwarg: cache},
+    )
+    raw = out.logits[:, -1].float()
+    processed = logits_processor(sequence, raw.clone())
+    first = verification.target_choices(processed, do_sample)
+    candidates.set_features(out.hidden_states[-1][0])
+    leaf_head = lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1])
+    stats.verify_time_s += time.perf_counter() - tic
+    finished = emit(first.tolist(), processed, raw)
+
+    while not finished:
+        tic = time.perf_counter()
+        tree = candidates.get_candidates(sequence[:, padding:]).to_device(target_device)
+        stats.draft_time_s += time.perf_counter() - tic
+
+        tic = time.perf_counter()
+        path, bonus, processed, raw, features = verify_tree(
+            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head
+        )
+        candidates.set_features(features)
+        new_tokens = torch.cat([tree.tokens[path[1:]], bonus[None]]).tolist()  # the one host sync of the round
+        stats.verify_time_s += time.perf_counter() - tic
+        finished = emit(new_tokens, processed, raw)
+
+    truncate(cache, sequence.shape[1] - padding - 1)  # a stop inside an accepted path leaves extra positions
+    if streamer is not None:
+        streamer.end()
+    stats.total_time_s = time.perf_counter() - started
+    draft.last_generation_stats = stats
+
+    if not want_dict:
+        return sequence
+    output = GenerateDecoderOnlyOutput(
+        sequences=sequence,
+        scores=tuple(scores) if keep_scores else None,
+        logits=tuple(raw_logits) if keep_logits else None,
+    )
+    output["cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"] = cache
+    return output
+
+
+def jakiro_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer=None,
+    draft: JakiroDraftModel | None = None,
+    total_tokens: int | None = None,
+    depth: int | None = None,
+    top_k: int | None = None,
+    contrastive: bool | None = None,
+    **model_kwargs,
+):
+    """`custom_generate` entry point: `target.generate(**inputs, custom_generate=jakiro_generate, draft=draft,
+    total_tokens=60, depth=5, top_k=10)`. Tree settings default to `draft.config`."""
+    if draft is None:
+        raise ValueError("jakiro_generate needs `draft=`, a JakiroDraftModel for this target.")
+    settings = TreeSettings.resolve(draft, total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=contrastive)
+    return jakiro_decode(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, settings, **model_kwargs
+    )
+
+
+__all__ = [
+    "JakiroGenerationStats",
+    "jakiro_decode",
+    "jakiro_generate",
+    "lazy_leaf_head",
+    "verify_tree",
+]
