@@ -57,7 +57,63 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _check_supported(target, draft, input_ids, processors, model_kwargs) -> None:
+# Model inputs that `generate` hands to every decoding method (5.17 to 5.24) and the loop below handles: the padding
+# mask and the positions derived from it, the empty cache generate prepares, the prefill's `logits_to_keep=1`.
+# Anything else (`pixel_values`, `token_type_ids`, ...) would be dropped, and the output would silently differ from
+# plain generate's, so it is refused by name.
+_HANDLED_MODEL_KWARGS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep")
+
+
+def _check_model_kwargs(model_kwargs: dict, generation_config: GenerationConfig) -> None:
+    unhandled = sorted(key for key, value in model_kwargs.items() if value is not None and key not in _HANDLED_MODEL_KWARGS)
+    if unhandled:
+        raise ValueError(
+            f"Jakiro decoding cannot use the model input(s) {', '.join(unhandled)}: its tree path feeds the target "
+            "input_ids and attention_mask only, so the output would differ from plain generate (a vision-language "
+            "target would decode without its image). Generate without the Jakiro draft for such inputs, or leave "
+            f"{', '.join(unhandled)} out."
+        )
+    if model_kwargs.get("logits_to_keep") not in (None, 1):
+        raise ValueError(
+            f"Jakiro decoding keeps the logits it needs itself; got logits_to_keep={model_kwargs['logits_to_keep']!r}. "
+            "Leave logits_to_keep out."
+        )
+    if generation_config.return_dict_in_generate:
+        for flag in ("output_attentions", "output_hidden_states"):
+            if getattr(generation_config, flag, False):
+                raise ValueError(
+                    f"Jakiro decoding does not return per-step attentions or hidden states; got {flag}=True with "
+                    f"return_dict_in_generate=True. Leave {flag} out, or generate without the Jakiro draft."
+                )
+
+
+def _left_padding(attention_mask, length: int) -> int:
+    """Number of left-padding positions of a [1, length] mask (None: no padding); refuses any other zeros."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return 0
+    padding = int((attention_mask[0].cumsum(0) == 0).sum())
+    if padding == length or not bool(attention_mask[0, padding:].all()):
+        raise ValueError(
+            "Jakiro decoding supports left padding only (zeros before the first real token, at least one real "
+            "token); fix the attention_mask."
+        )
+    return padding
+
+
+def _check_position_ids(position_ids, padding: int, length: int) -> None:
+    """`generate` passes positions 0, 1, ... over the real tokens (what pads get differs between versions and does
+    not matter: they are masked). A user's own positions would be ignored by the tree path: refuse them."""
+    if position_ids is None:
+        return
+    expected = torch.arange(length - padding, device=position_ids.device)[None]
+    if tuple(position_ids.shape) != (1, length) or not torch.equal(position_ids[:, padding:], expected):
+        raise ValueError(
+            "Jakiro decoding places tokens at positions 0, 1, ... after the left padding, but the position_ids "
+            "passed to generate differ; the output would differ from plain generate. Leave position_ids out."
+        )
+
+
+def _check_supported(target, draft, input_ids, processors, model_kwargs, generation_config) -> None:
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"Jakiro decoding supports batch size 1 for now; got a batch of {input_ids.shape[0]}. "
@@ -77,6 +133,7 @@ def _check_supported(target, draft, input_ids, processors, model_kwargs) -> None
             raise ValueError("Jakiro decoding starts from an empty cache; do not pass a filled cache to generate.")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("Jakiro decoding needs input_ids, not inputs_embeds.")
+    _check_model_kwargs(model_kwargs, generation_config)
     check_processors(processors)
     draft.bind_target(target)  # checks shapes every call: the draft may have been bound to another target before
 
@@ -162,7 +219,7 @@ def jakiro_decode(
     **model_kwargs,
 ):
     """The decoding loop; `generate` has already prepared processors, stopping criteria and the config."""
-    _check_supported(target, draft, input_ids, logits_processor, model_kwargs)
+    _check_supported(target, draft, input_ids, logits_processor, model_kwargs, generation_config)
     settings = settings or TreeSettings.resolve(draft)
     do_sample = generation_config.do_sample
     want_dict = generation_config.return_dict_in_generate
@@ -173,12 +230,8 @@ def jakiro_decode(
     # Left padding in a batch of one: the models never see the padded positions (plain generate gives them no
     # attention and continues positions after them, which is what decoding the unpadded prompt computes), but the
     # logits processors and stopping criteria see the full row, exactly as in plain generate.
-    attention_mask = model_kwargs.get("attention_mask")
-    padding = 0
-    if attention_mask is not None and not bool(attention_mask.all()):
-        padding = int((attention_mask[0].cumsum(0) == 0).sum())
-        if not bool(attention_mask[0, padding:].all()):
-            raise ValueError("Jakiro decoding supports left padding only (zeros before the first real token).")
+    padding = _left_padding(model_kwargs.get("attention_mask"), input_ids.shape[1])
+    _check_position_ids(model_kwargs.get("position_ids"), padding, input_ids.shape[1])
 
     stats = JakiroGenerationStats()
     started = time.perf_counter()

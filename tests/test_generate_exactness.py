@@ -1,0 +1,63 @@
+"""Jakiro decoding never silently differs from plain `generate`: model inputs it cannot use are refused by name, the
+returned cache continues like plain generate's, streamers and targets without optional forward arguments work,
+and reloading the package leaves the stock assisted decoding intact."""
+
+import importlib
+import inspect
+import queue
+import threading
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, TextIteratorStreamer
+
+from tiny_models import make_target, make_tokenizer, quick_trained_draft
+from transformers_jakiro import jakiro_generate
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_target("llama")
+    return target, quick_trained_draft(target)
+
+
+def cache_of(output):
+    return output["cache"] if "cache" in output else output["past_key_values"]
+
+
+class ToyVisionLM(LlamaForCausalLM):
+    """A Llama whose forward also takes an image (`pixel_values`) and `token_type_ids`, as vision-language models'
+    do: `generate` accepts and forwards both, so the tree path must not drop them silently."""
+
+    def forward(self, input_ids=None, pixel_values=None, token_type_ids=None, inputs_embeds=None, **kwargs):
+        if pixel_values is not None and input_ids is not None:
+            inputs_embeds = self.get_input_embeddings()(input_ids) + pixel_values.mean()
+            input_ids = None
+        return super().forward(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
+
+
+@pytest.mark.parametrize("entry", ["assistant_model", "custom_generate"])
+def test_model_inputs_the_tree_path_cannot_use_are_refused_by_name(pair, entry):
+    target, draft = pair
+    vlm = ToyVisionLM(target.config).eval()
+    vlm.load_state_dict(target.state_dict())
+    route = dict(assistant_model=draft) if entry == "assistant_model" else dict(custom_generate=jakiro_generate, draft=draft)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    image = torch.full((1, 3, 4, 4), 2.0)
+    plain = vlm.generate(prompt, pixel_values=image, do_sample=False, max_new_tokens=8)
+    assert not torch.equal(plain, vlm.generate(prompt, do_sample=False, max_new_tokens=8))  # the image matters
+    with pytest.raises(ValueError, match="pixel_values.*token_type_ids|token_type_ids.*pixel_values"):
+        vlm.generate(prompt, pixel_values=image, token_type_ids=torch.zeros_like(prompt), max_new_tokens=8, **route)
+    with pytest.raises(ValueError, match="pixel_values"):
+        vlm.generate(prompt, pixel_values=image, max_new_tokens=8, **route)
+    # a user's own positions (here shifted by 5) change plain generate's output too
+    shifted = torch.arange(5, 9)[None]
+    with pytest.raises(ValueError, match="position_ids"):
+        target.generate(prompt, position_ids=shifted, max_new_tokens=8, **route)
+    # the default positions, passed explicitly, are what generate passes anyway: accepted
+    got = target.generate(prompt, position_ids=torch.arange(4)[None], do_sample=False, max_new_tokens=8, **route)
+    assert torch.equal(got, target.generate(prompt, do_sample=False, max_new_tokens=8))
+    # return_dict_in_generate outputs the tree path does not produce
+    for flag in ("output_attentions", "output_hidden_states"):
+        with pytest.raises(ValueError, match=flag):
+            target.generate(prompt, max_new_tokens=4, return_dict_in_generate=True, **{flag: True}, **route)
