@@ -61,3 +61,32 @@ def test_model_inputs_the_tree_path_cannot_use_are_refused_by_name(pair, entry):
     for flag in ("output_attentions", "output_hidden_states"):
         with pytest.raises(ValueError, match=flag):
             target.generate(prompt, max_new_tokens=4, return_dict_in_generate=True, **{flag: True}, **route)
+
+
+@pytest.mark.parametrize("padding", [0, 2])
+def test_returned_cache_continues_exactly_like_plain_generate(pair, padding):
+    """Generate, then continue from the returned cache with a second `generate` call: the Jakiro cache lines up with
+    `sequences` (left padding included) and continues to the same tokens as plain generate's."""
+    target, draft = pair
+    prompt = torch.tensor([[0] * padding + [44, 45, 46, 47, 48, 49, 50]])
+    mask = (prompt != 0).long()
+    first = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True)
+    plain = target.generate(prompt, attention_mask=mask, **first)
+    mine = target.generate(prompt, attention_mask=mask, assistant_model=draft, **first)
+    assert torch.equal(mine.sequences, plain.sequences)
+    assert cache_of(mine).get_seq_length() == cache_of(plain).get_seq_length() == plain.sequences.shape[1] - 1
+    for a, b in zip(cache_of(mine).layers, cache_of(plain).layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=1e-4)
+
+    def go_on(output):
+        sequences = output.sequences
+        longer_mask = torch.cat([mask, torch.ones(1, sequences.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+        return target.generate(
+            sequences, attention_mask=longer_mask, past_key_values=cache_of(output), do_sample=False,
+            max_new_tokens=10, min_new_tokens=10,
+        )
+
+    expected = target.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=22, min_new_tokens=22)
+    assert torch.equal(go_on(plain), expected)
+    assert torch.equal(go_on(mine), expected)

@@ -160,9 +160,12 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
     return head if torch.allclose(reproduced, last_logits.float(), rtol=1e-3, atol=1e-3) else None
 
 
-def verify_tree(target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool, leaf_head=None):
+def verify_tree(
+    target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool, leaf_head=None, padding=0
+):
     """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
-    depth), per-node logits processing, acceptance, and the cache cut back to the accepted path.
+    depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
+    cache positions hold the prompt's left padding: hidden from the tree, and not counted in its positions.
 
     Returns (path, bonus, processed logits, raw logits, target hidden states), the last three at the path's nodes.
     `sequence` ([1, length], ending with the root token) is what the logits processors see as the prefix.
@@ -172,8 +175,8 @@ def verify_tree(target, cache, cache_kwarg: str, tree: DraftTree, sequence, proc
     internal = tree.internal_nodes() if leaf_head is not None else None
     out = target(
         input_ids=tree.tokens[None],
-        position_ids=tree.position_ids(past),
-        attention_mask=tree.attention_mask(past, target.dtype),
+        position_ids=tree.position_ids(past - padding),
+        attention_mask=tree.attention_mask(past, target.dtype, padding),
         use_cache=True,
         output_hidden_states=True,
         **({} if internal is None else {"logits_to_keep": internal}),
@@ -227,9 +230,10 @@ def jakiro_decode(
     keep_logits = want_dict and generation_config.output_logits
     scores, raw_logits = ([] if keep_scores else None), ([] if keep_logits else None)
 
-    # Left padding in a batch of one: the models never see the padded positions (plain generate gives them no
-    # attention and continues positions after them, which is what decoding the unpadded prompt computes), but the
-    # logits processors and stopping criteria see the full row, exactly as in plain generate.
+    # Left padding in a batch of one: as in plain generate, the target's cache holds the padded positions (so that a
+    # cache returned with return_dict_in_generate lines up with `sequences` and can be continued), nothing attends to
+    # them and positions continue after them; the draft reads the unpadded prompt only. The logits processors and
+    # stopping criteria see the full row, exactly as in plain generate.
     padding = _left_padding(model_kwargs.get("attention_mask"), input_ids.shape[1])
     _check_position_ids(model_kwargs.get("position_ids"), padding, input_ids.shape[1])
 
@@ -260,8 +264,16 @@ def jakiro_decode(
 
     # Prefill: the prompt through the target, the first token from its last position.
     tic = time.perf_counter()
+    padded = {}
+    if padding:
+        mask = model_kwargs["attention_mask"].to(target_device)
+        positions = model_kwargs.get("position_ids")
+        if positions is None:
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        padded = dict(attention_mask=mask, position_ids=positions.to(target_device))
     out = target(
-        input_ids=sequence[:, padding:],
+        input_ids=sequence,
+        **padded,
         use_cache=True,
         output_hidden_states=True,
         logits_to_keep=1,
@@ -270,7 +282,7 @@ def jakiro_decode(
     raw = out.logits[:, -1].float()
     processed = logits_processor(sequence, raw.clone())
     first = verification.target_choices(processed, do_sample)
-    candidates.set_features(out.hidden_states[-1][0])
+    candidates.set_features(out.hidden_states[-1][0, padding:])
     leaf_head = lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1])
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first.tolist(), processed, raw)
@@ -282,14 +294,14 @@ def jakiro_decode(
 
         tic = time.perf_counter()
         path, bonus, processed, raw, features = verify_tree(
-            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head
+            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding
         )
         candidates.set_features(features)
         new_tokens = torch.cat([tree.tokens[path[1:]], bonus[None]]).tolist()  # the one host sync of the round
         stats.verify_time_s += time.perf_counter() - tic
         finished = emit(new_tokens, processed, raw)
 
-    truncate(cache, sequence.shape[1] - padding - 1)  # a stop inside an accepted path leaves extra positions
+    truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
     if streamer is not None:
         streamer.end()
     stats.total_time_s = time.perf_counter() - started
