@@ -90,3 +90,21 @@ def test_returned_cache_continues_exactly_like_plain_generate(pair, padding):
     expected = target.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=22, min_new_tokens=22)
     assert torch.equal(go_on(plain), expected)
     assert torch.equal(go_on(mine), expected)
+
+
+def test_reloading_keeps_the_stock_assisted_decoding(pair):
+    """importlib.reload / IPython autoreload re-run the module that patches transformers: other assistants and prompt
+    lookup must still reach the stock implementation (they used to recurse forever), and Jakiro the tree path."""
+    import transformers_jakiro
+    from transformers_jakiro import generation
+
+    target, draft = pair
+    prompt = torch.tensor([[5, 9, 33, 17, 5, 9, 33]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=16)
+    importlib.reload(generation)
+    importlib.reload(transformers_jakiro)
+    importlib.reload(generation)
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=16, prompt_lookup_num_tokens=3), expected)
+    draft.last_generation_stats = None
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=16, assistant_model=draft), expected)
+    assert draft.last_generation_stats is not None  # the tree path ran

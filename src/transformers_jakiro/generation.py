@@ -26,7 +26,11 @@ def _is_jakiro_draft(model) -> bool:
     return isinstance(model, JakiroDraftModel) or getattr(getattr(model, "config", None), "model_type", None) == "jakiro"
 
 
-_STOCK_ASSISTED_DECODING = GenerationMixin._assisted_decoding
+# Captured once: when this module is reloaded (importlib.reload, IPython autoreload) the class attribute is already
+# our wrapper, which would then call itself forever; the wrapper carries the stock implementation along instead.
+_STOCK_ASSISTED_DECODING = getattr(
+    GenerationMixin._assisted_decoding, "_jakiro_stock", GenerationMixin._assisted_decoding
+)
 
 
 # Keyword arguments `generate` hands to every assisted-decoding implementation that tree decoding does not use.
@@ -48,9 +52,11 @@ def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, gen
 
 
 def install_generate_hook() -> None:
-    """Route `generate(..., assistant_model=<Jakiro draft>)` to tree decoding (idempotent)."""
-    if not getattr(GenerationMixin._assisted_decoding, "_jakiro", False):
+    """Route `generate(..., assistant_model=<Jakiro draft>)` to tree decoding (idempotent; after a reload of this
+    module the class gets the reloaded wrapper, still in front of the stock implementation)."""
+    if GenerationMixin._assisted_decoding is not _assisted_decoding:
         _assisted_decoding._jakiro = True
+        _assisted_decoding._jakiro_stock = _STOCK_ASSISTED_DECODING
         GenerationMixin._assisted_decoding = _assisted_decoding
 
 
@@ -66,6 +72,9 @@ def tree_settings(draft: JakiroDraftModel, **overrides):
     finally:
         draft._tree_overrides = previous
 
+
+# Here as well as in the package's __init__: a reload of this module alone then routes to the reloaded code.
+install_generate_hook()
 
 __all__ = [
     "JakiroCandidateGenerator",
