@@ -108,3 +108,27 @@ def test_reloading_keeps_the_stock_assisted_decoding(pair):
     draft.last_generation_stats = None
     assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=16, assistant_model=draft), expected)
     assert draft.last_generation_stats is not None  # the tree path ran
+
+
+@pytest.mark.parametrize("entry", ["assistant_model", "custom_generate"])
+def test_text_iterator_streamer_gets_the_whole_answer_and_ends(pair, entry):
+    """A consumer thread reading a TextIteratorStreamer gets every token and the end of the stream; with the
+    `custom_generate` entry point transformers does not hand the streamer over, which used to leave it hanging."""
+    target, draft = pair
+    tokenizer = make_tokenizer()
+    route = dict(assistant_model=draft) if entry == "assistant_model" else dict(custom_generate=jakiro_generate, draft=draft)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+    result = {}
+
+    def run():
+        result["ids"] = target.generate(prompt, do_sample=False, max_new_tokens=30, streamer=streamer, **route)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        text = "".join(streamer)
+    except queue.Empty:
+        pytest.fail("the streamer never ended: generate did not feed it or did not call end()")
+    thread.join(timeout=60)
+    assert text == tokenizer.decode(result["ids"][0, 4:])

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from . import verification
 from .drafting import JakiroCandidateGenerator, TreeSettings
@@ -318,6 +318,27 @@ def jakiro_decode(
     return output
 
 
+def _streamer_of_running_generate(model):
+    """The `streamer` passed to the `generate` call that is running a `custom_generate` function, or None.
+
+    transformers hands a `custom_generate` callable only the keyword arguments that `_sample` does not declare, and
+    `_sample` declares `streamer`: it is dropped, after `generate` has already put the prompt into it, so the stream
+    would never end (a `TextIteratorStreamer` consumer hangs). No public way gives it back, so it is read from
+    `generate`'s own frame, which is on the stack right above this call.
+    """
+    generate_code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back
+        while caller is not None:
+            if caller.f_code is generate_code and caller.f_locals.get("self") is model:
+                return caller.f_locals.get("streamer")
+            caller = caller.f_back
+        return None
+    finally:
+        del frame, caller  # frames hold references to every local on the stack
+
+
 def jakiro_generate(
     model,
     input_ids: torch.LongTensor,
@@ -338,6 +359,8 @@ def jakiro_generate(
     if draft is None:
         raise ValueError("jakiro_generate needs `draft=`, a JakiroDraftModel for this target.")
     settings = TreeSettings.resolve(draft, total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=contrastive)
+    if streamer is None:
+        streamer = _streamer_of_running_generate(model)
     return jakiro_decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, settings, **model_kwargs
     )
