@@ -132,3 +132,27 @@ def test_text_iterator_streamer_gets_the_whole_answer_and_ends(pair, entry):
         pytest.fail("the streamer never ended: generate did not feed it or did not call end()")
     thread.join(timeout=60)
     assert text == tokenizer.decode(result["ids"][0, 4:])
+
+
+class WithoutLogitsToKeep(LlamaForCausalLM):
+    """A remote-code style target whose forward has neither `logits_to_keep` nor `**kwargs`."""
+
+    _cache_name = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
+                inputs_embeds=None, use_cache=None, output_hidden_states=None, return_dict=None):
+        cache = cache if cache is not None else past_key_values
+        return super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, output_hidden_states=output_hidden_states, **{self._cache_name: cache},
+        )
+
+
+def test_target_without_logits_to_keep(pair):
+    target, draft = pair
+    plain_target = WithoutLogitsToKeep(target.config).eval()
+    plain_target.load_state_dict(target.state_dict())
+    prompt = torch.tensor([[9, 10, 11, 12]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=20)
+    assert torch.equal(plain_target.generate(prompt, do_sample=False, max_new_tokens=20), expected)
+    assert torch.equal(plain_target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=draft), expected)

@@ -52,6 +52,12 @@ class JakiroGenerationStats:
         return {**asdict(self), "mean_accepted_length": self.mean_accepted_length}
 
 
+def _forward_accepts(model, name: str) -> bool:
+    """Whether the model's forward takes `name` (optional arguments such as `logits_to_keep` are missing from some
+    remote-code models, which then fail with a TypeError)."""
+    return name in inspect.signature(model.forward).parameters
+
+
 def _cache_kwarg(model) -> str:
     """transformers 5.24 renamed the forward argument `past_key_values` to `cache`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -151,7 +157,7 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
     position) check that the output layer alone reproduces the model's logits: models that scale or soft-cap logits
     after it keep the full path.
     """
-    if last_hidden.device.type != "cpu" or "logits_to_keep" not in inspect.signature(target.forward).parameters:
+    if last_hidden.device.type != "cpu" or not _forward_accepts(target, "logits_to_keep"):
         return None
     head = target.get_output_embeddings()
     if head is None:
@@ -276,7 +282,7 @@ def jakiro_decode(
         **padded,
         use_cache=True,
         output_hidden_states=True,
-        logits_to_keep=1,
+        **({"logits_to_keep": 1} if _forward_accepts(target, "logits_to_keep") else {}),
         **{cache_kwarg: cache},
     )
     raw = out.logits[:, -1].float()
