@@ -156,3 +156,14 @@ def test_target_without_logits_to_keep(pair):
     expected = target.generate(prompt, do_sample=False, max_new_tokens=20)
     assert torch.equal(plain_target.generate(prompt, do_sample=False, max_new_tokens=20), expected)
     assert torch.equal(plain_target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=draft), expected)
+
+
+def test_readme_states_where_token_identical_holds():
+    """The promise of token-identical output is made in the README's first paragraph; it holds in float32, and the
+    same paragraph must say what happens in bf16/fp16 (near-ties)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    intro = readme.split("```", 1)[0]
+    promise = intro[intro.index("token-identical") - 200 :]
+    assert "float32" in promise and "bfloat16" in promise and "near-tie" in promise
