@@ -166,6 +166,24 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
     return head if torch.allclose(reproduced, last_logits.float(), rtol=1e-3, atol=1e-3) else None
 
 
+@dataclass
+class VerifiedRound:
+    """What one verification round accepted; tensors on the target's device, rows in path order (root first).
+
+    path:      [m] node indices of the accepted path, root (node 0) first.
+    bonus:     [] the target's own token after the path's last node.
+    processed: [m, vocab] processed logits at the path's nodes: the scores of the round's m new tokens.
+    raw:       [m, vocab] raw (float32) logits at the same nodes.
+    features:  [m, hidden] the target's last hidden states at the same nodes (the draft reads them next round).
+    """
+
+    path: torch.LongTensor
+    bonus: torch.LongTensor
+    processed: torch.Tensor
+    raw: torch.Tensor
+    features: torch.Tensor
+
+
 def verify_tree(
     target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool, leaf_head=None, padding=0
 ):
@@ -173,8 +191,7 @@ def verify_tree(
     depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
     cache positions hold the prompt's left padding: hidden from the tree, and not counted in its positions.
 
-    Returns (path, bonus, processed logits, raw logits, target hidden states), the last three at the path's nodes.
-    `sequence` ([1, length], ending with the root token) is what the logits processors see as the prefix.
+    Returns a `VerifiedRound`. `sequence` ([1, length], ending with the root token) is what the logits processors see as the prefix.
     `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at most one leaf after.
     """
     past = cache.get_seq_length()
@@ -194,7 +211,7 @@ def verify_tree(
     if internal is None:
         path, bonus = verification.verify(tree, processed, do_sample)
         keep_accepted(cache, past, path)
-        return path, bonus, processed[path], raw[path], features[path]
+        return VerifiedRound(path, bonus, processed[path], raw[path], features[path])
 
     leaf = {}
 
@@ -212,7 +229,7 @@ def verify_tree(
         processed, raw = torch.cat([processed[rows], leaf["processed"]]), torch.cat([raw[rows], leaf["raw"]])
     else:
         processed, raw = processed[row[path]], raw[row[path]]
-    return path, bonus, processed, raw, features[path]
+    return VerifiedRound(path, bonus, processed, raw, features[path])
 
 
 @torch.no_grad()
@@ -299,13 +316,11 @@ def jakiro_decode(
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
-        path, bonus, processed, raw, features = verify_tree(
-            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding
-        )
-        candidates.set_features(features)
-        new_tokens = torch.cat([tree.tokens[path[1:]], bonus[None]]).tolist()  # the one host sync of the round
+        verified = verify_tree(target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding)
+        candidates.set_features(verified.features)
+        new_tokens = torch.cat([tree.tokens[verified.path[1:]], verified.bonus[None]]).tolist()
         stats.verify_time_s += time.perf_counter() - tic
-        finished = emit(new_tokens, processed, raw)
+        finished = emit(new_tokens, verified.processed, verified.raw)
 
     truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
     if streamer is not None:
@@ -374,6 +389,7 @@ def jakiro_generate(
 
 __all__ = [
     "JakiroGenerationStats",
+    "VerifiedRound",
     "jakiro_decode",
     "jakiro_generate",
     "lazy_leaf_head",

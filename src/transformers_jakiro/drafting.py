@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
-from transformers.generation.candidate_generator import CandidateGenerator
 
 from .kv_cache import truncate
 from .modeling_jakiro import JakiroDraftModel
@@ -46,8 +45,12 @@ class TreeSettings:
 
 
 
-class JakiroCandidateGenerator(CandidateGenerator):
+class JakiroCandidateGenerator:
     """Proposes one token tree per round from a Jakiro draft.
+
+    Not a transformers `CandidateGenerator`, on purpose: that contract returns one linear chain of candidate ids (and
+    their logits) for `_assisted_decoding` to verify, and a token tree cannot be expressed that way; the tree goes to
+    `decoding.verify_tree` instead, and transformers' assisted loop never sees this class.
 
     The draft's KV cache holds the accepted context: draft position t has read (f_t, x_{t+1}), the target's hidden
     state at t and the next token. `set_features` hands over the target hidden states of newly accepted positions;
@@ -127,9 +130,6 @@ class JakiroCandidateGenerator(CandidateGenerator):
             )
         truncate(self.cache, stable)
         return recorder.flatten(settings.total_tokens)
-
-    def update_candidate_strategy(self, input_ids, scores=None, num_matches=None):
-        """The tree shape is fixed per call; nothing adapts between rounds."""
 
 
 
