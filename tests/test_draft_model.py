@@ -116,3 +116,37 @@ def test_config_validation_messages():
         JakiroConfig(num_experts=2, num_experts_per_tok=1)
     with pytest.raises(ValueError, match="contrastive_head=True needs num_experts=2"):
         JakiroConfig(num_experts=1, num_experts_per_tok=1)
+
+
+@pytest.mark.parametrize("empty", ["init_empty_weights", "meta_device"])
+def test_materialised_from_the_meta_device(empty, tmp_path):
+    """`init_empty_weights(include_buffers=True)` / `torch.device("meta")` followed by `to_empty()` and
+    `load_checkpoint_and_dispatch(device_map="auto")`: the big-model loading flow. The RoPE table is not in the
+    checkpoint; it must come out float32 and exact, and the loaded head must compute what the original does."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    target = make_target("llama")
+    draft = JakiroDraftModel.from_target(target).eval()
+    draft.save_pretrained(tmp_path)
+    with init_empty_weights(include_buffers=True) if empty == "init_empty_weights" else torch.device("meta"):
+        empty_draft = JakiroDraftModel(draft.config)
+    assert empty_draft.rotary_emb.inv_freq.is_meta
+    empty_draft.to_empty(device="cpu")
+    assert empty_draft.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(empty_draft.rotary_emb.inv_freq, draft.rotary_emb.inv_freq)
+    loaded = load_checkpoint_and_dispatch(empty_draft, str(tmp_path), device_map="auto").eval().bind_target(target)
+    ids, features = torch.randint(3, 128, (1, 9)), torch.randn(1, 9, 64)
+    torch.testing.assert_close(
+        loaded(input_ids=ids, hidden_states=features).last_hidden_state,
+        draft(input_ids=ids, hidden_states=features).last_hidden_state,
+    )
+
+
+def test_from_pretrained_with_device_map_auto_and_bf16(tmp_path):
+    target = make_target("llama")
+    draft = JakiroDraftModel.from_target(target)
+    draft.save_pretrained(tmp_path)
+    loaded = JakiroDraftModel.from_pretrained(tmp_path, device_map="auto", dtype=torch.bfloat16)
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    assert loaded.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(loaded.rotary_emb.inv_freq, draft.rotary_emb.inv_freq)

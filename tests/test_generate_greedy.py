@@ -228,21 +228,21 @@ def test_stats_are_consistent(pairs):
 def test_lazy_leaf_logits_match_the_full_logits_path(pairs, monkeypatch):
     """On CPU only internal nodes get logits in the verify forward (a leaf's are computed if the path ends there);
     decoding with the full logits (the accelerator path) gives the same tokens, scores and logits."""
-    from transformers_jakiro import generation
+    from transformers_jakiro import decoding
 
     target, draft = pairs("qwen2")
     prompt = torch.tensor([[7, 8, 9, 10, 11]])
     with torch.no_grad():
         out = target(prompt, output_hidden_states=True)
-    assert generation.lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1]) is not None
+    assert decoding.lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1]) is not None
     # a model whose logits are more than its output layer's (soft-capping, scaling) keeps the full path
-    assert generation.lazy_leaf_head(target, out.hidden_states[-1][:, -1], 0.5 * out.logits[:, -1]) is None
+    assert decoding.lazy_leaf_head(target, out.hidden_states[-1][:, -1], 0.5 * out.logits[:, -1]) is None
 
     kwargs = dict(do_sample=False, max_new_tokens=40, return_dict_in_generate=True, output_scores=True,
                   output_logits=True, no_repeat_ngram_size=3, assistant_model=draft)
     lazy = target.generate(prompt, **kwargs)
     lazy_tau = draft.last_generation_stats.mean_accepted_length
-    monkeypatch.setattr(generation, "lazy_leaf_head", lambda *args: None)
+    monkeypatch.setattr(decoding, "lazy_leaf_head", lambda *args: None)
     full = target.generate(prompt, **kwargs)
     assert torch.equal(lazy.sequences, full.sequences) and lazy_tau > 1.5
     assert lazy_tau == draft.last_generation_stats.mean_accepted_length

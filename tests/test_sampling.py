@@ -25,7 +25,8 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from tiny_models import quick_trained_draft
 from transformers_jakiro import tree_settings, verification
-from transformers_jakiro.generation import TreeSettings, jakiro_decode
+from transformers_jakiro.decoding import jakiro_decode
+from transformers_jakiro.drafting import TreeSettings
 
 VOCAB, NEW_TOKENS, SAMPLES = 8, 3, 10_000
 WRONG_RULE_SAMPLES = 1_500  # the bias of the wrong rule is large; fewer samples already reject it
@@ -157,9 +158,9 @@ def test_generate_entry_point_samples_the_same_distribution(target_and_draft, mo
     """Through target.generate(do_sample=True, temperature=..., assistant_model=draft): first two tokens. This one
     keeps the full logits of every tree node (the accelerator path); the tests above run the CPU path, where leaves'
     logits are computed only when the accepted path ends there."""
-    from transformers_jakiro import generation
+    from transformers_jakiro import decoding
 
-    monkeypatch.setattr(generation, "lazy_leaf_head", lambda *args: None)
+    monkeypatch.setattr(decoding, "lazy_leaf_head", lambda *args: None)
     target, draft = target_and_draft
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.8)])
     three = exact_distribution(target, processors).reshape(VOCAB, VOCAB, VOCAB)

@@ -71,8 +71,9 @@ def test_flatten_keeps_best_closed_breadth_first(case):
 
 
 @settings(max_examples=300, deadline=None)
-@given(recorded_trees(), st.integers(0, 50))
-def test_masks_positions_paths_match_brute_force(case, past):
+@given(recorded_trees(), st.integers(0, 50), st.integers(0, 50))
+def test_masks_positions_paths_match_brute_force(case, past, padding):
+    padding = min(padding, past)  # left padding: the first cached positions, hidden from every node
     recorder, _, total_tokens = case
     tree = recorder.flatten(total_tokens)
     parents = tree.parents.tolist()
@@ -80,13 +81,13 @@ def test_masks_positions_paths_match_brute_force(case, past):
     assert torch.equal(tree.ancestors, expected)
     assert torch.equal(ancestor_matrix(tree.parents, int(tree.depths.max())), expected)
 
-    mask = tree.attention_mask(past, torch.float32)
+    mask = tree.attention_mask(past, torch.float32, padding)
     n = tree.num_nodes
     assert mask.shape == (1, 1, n, past + n)
     minimum = torch.finfo(torch.float32).min
     for i in range(n):
         for j in range(past + n):
-            visible = j < past or bool(expected[i, j - past])
+            visible = padding <= j < past or (j >= past and bool(expected[i, j - past]))
             assert mask[0, 0, i, j].item() == (0.0 if visible else minimum)
     assert tree.position_ids(past).tolist() == [[past + d for d in tree.depths.tolist()]]
 

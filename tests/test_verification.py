@@ -133,3 +133,31 @@ def test_lazy_leaf_logits_give_the_same_verdict():
         got = verify(tree, logits[internal], do_sample=False, leaf_logits=leaf_logits)
         assert torch.equal(got[0], expected[0]) and got[1].item() == expected[1].item()
         assert asked == ([int(expected[0][-1])] if int(expected[0][-1]) not in internal.tolist() else [])
+
+
+def test_verify_tree_returns_a_named_round():
+    """`verify_tree` on a real tiny target: the named result's fields agree with each other and with the cache."""
+    from tiny_models import make_target, quick_trained_draft
+    from transformers_jakiro.decoding import VerifiedRound, _cache_kwarg, verify_tree
+    from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
+    from transformers_jakiro.kv_cache import new_target_cache
+
+    target = make_target("llama")
+    draft = quick_trained_draft(target, steps=100)
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    cache = new_target_cache(target.config)
+    with torch.no_grad():
+        out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, **{_cache_kwarg(target): cache})
+        sequence = torch.cat([prompt, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        generator = JakiroCandidateGenerator(draft, TreeSettings(total_tokens=20, depth=3, top_k=4, contrastive=True))
+        generator.set_features(out.hidden_states[-1][0])
+        tree = generator.get_candidates(sequence)
+        verified = verify_tree(target, cache, _cache_kwarg(target), tree, sequence, LogitsProcessorList(), False)
+    assert isinstance(verified, VerifiedRound)
+    m = verified.path.numel()
+    assert verified.path[0].item() == 0 and cache.get_seq_length() == prompt.shape[1] + m
+    assert verified.processed.shape == verified.raw.shape == (m, target.config.vocab_size)
+    assert verified.features.shape == (m, target.config.hidden_size)
+    assert verified.bonus.item() == verified.processed[-1].argmax().item()
+    # along the path, each accepted child is the target's argmax at its parent
+    assert tree.tokens[verified.path[1:]].tolist() == verified.processed[:-1].argmax(-1).tolist()

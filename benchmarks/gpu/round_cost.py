@@ -22,7 +22,8 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessorList
 
 from transformers_jakiro import JakiroDraftModel
-from transformers_jakiro.generation import JakiroCandidateGenerator, TreeSettings, _cache_kwarg, verify_tree
+from transformers_jakiro.decoding import _cache_kwarg, verify_tree
+from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.kv_cache import new_target_cache, truncate
 
 SHAPES = {
@@ -89,11 +90,9 @@ def measure(shape: str, device: str, dtype: torch.dtype, context: int, total_tok
         tree = candidates.get_candidates(sequence)
         sync()
         middle = time.perf_counter()
-        path, bonus, _, _, accepted = verify_tree(
-            target, cache, cache_kwarg, tree, sequence, LogitsProcessorList(), do_sample=False
-        )
-        candidates.set_features(accepted)
-        torch.cat([tree.tokens[path[1:]], bonus[None]]).tolist()
+        verified = verify_tree(target, cache, cache_kwarg, tree, sequence, LogitsProcessorList(), do_sample=False)
+        candidates.set_features(verified.features)
+        torch.cat([tree.tokens[verified.path[1:]], verified.bonus[None]]).tolist()
         sync()
         parts["draft"].append(1000 * (middle - start))
         parts["verify"].append(1000 * (time.perf_counter() - middle))

@@ -53,14 +53,9 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessorList
 
-from .generation import (
-    JakiroCandidateGenerator,
-    TreeSettings,
-    _cache_kwarg,
-    lazy_leaf_head,
-    tree_settings,
-    verify_tree,
-)
+from .decoding import _cache_kwarg, lazy_leaf_head, verify_tree
+from .drafting import JakiroCandidateGenerator, TreeSettings
+from .generation import tree_settings
 from .kv_cache import new_target_cache, truncate
 from .tree import DraftTree
 

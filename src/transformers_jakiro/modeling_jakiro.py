@@ -61,22 +61,35 @@ class JakiroRotaryEmbedding(nn.Module):
 
     def __init__(self, config: JakiroConfig):
         super().__init__()
+        self.config = config  # kept to recompute the table when the module is materialised from the meta device
+        inv_freq, self.attention_scaling = self.compute_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config: JakiroConfig, device=None) -> tuple[torch.Tensor, float]:
+        """(float32 inverse frequencies, attention scaling) for the config's RoPE type."""
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             dim = config.head_dim
             base = config.rope_parameters["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+            return 1.0 / (base**exponents), 1.0
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        return inv_freq.float(), scaling
 
     def _apply(self, fn, recurse=True):
         # `.to(torch.bfloat16)` casts floating buffers too; bf16 frequencies are off by up to 0.2%, which shifts
         # rotations by a fraction of a radian a few hundred positions away. Follow device moves, stay float32.
         inv_freq = self.inv_freq
         super()._apply(fn, recurse)
-        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        if self.inv_freq.is_meta:
+            self.inv_freq = torch.empty_like(self.inv_freq, dtype=torch.float32)
+        elif inv_freq.is_meta:
+            # Materialised from the meta device (`to_empty()` after `init_empty_weights`): there are no values to keep
+            # and the table is not in any checkpoint, so compute it again where the module now lives.
+            self.inv_freq = self.compute_inv_freq(self.config, device=self.inv_freq.device)[0]
+        else:
+            self.inv_freq = inv_freq.to(self.inv_freq.device)
         return self
 
     @torch.no_grad()

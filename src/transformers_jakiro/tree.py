@@ -45,15 +45,16 @@ class DraftTree:
         """[1, n]: the root sits right after the `past_length` cached tokens; a node of depth d at past + d."""
         return (self.depths + past_length)[None]
 
-    def attention_mask(self, past_length: int, dtype: torch.dtype) -> torch.Tensor:
+    def attention_mask(self, past_length: int, dtype: torch.dtype, padding: int = 0) -> torch.Tensor:
         """[1, 1, n, past + n] additive float mask: every node sees the cached prefix, its ancestors and itself.
+        The first `padding` cached positions are left padding, which no node sees (as in plain generate).
 
         A float mask (0 / dtype-min) rather than a bool one: transformers' eager attention adds 4D masks, so a bool
         mask would be silently wrong there."""
         n = self.num_nodes
-        visible = torch.cat(
-            [torch.ones(n, past_length, dtype=torch.bool, device=self.tokens.device), self.ancestors], dim=1
-        )
+        prefix = torch.ones(n, past_length, dtype=torch.bool, device=self.tokens.device)
+        prefix[:, :padding] = False
+        visible = torch.cat([prefix, self.ancestors], dim=1)
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.tokens.device)
         return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 

@@ -1,0 +1,411 @@
+"""The Jakiro decoding loop: prefill, then draft-verify rounds until a stopping criterion fires.
+
+One round: the draft expands a token tree (`drafting.JakiroCandidateGenerator`); the target verifies the whole tree
+in one forward with a tree attention mask (`verify_tree`); the acceptance rule (`verification.verify`) keeps the
+longest path that agrees with the target plus one bonus token; both caches are cut back to the accepted path.
+
+`jakiro_decode` is the loop that both entry points run (see `generation.py` for the `assistant_model` route);
+`jakiro_generate` is the public `custom_generate` entry point.
+"""
+
+import inspect
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from . import verification
+from .drafting import JakiroCandidateGenerator, TreeSettings
+from .kv_cache import keep_accepted, new_target_cache, truncate
+from .logits import check_processors, process_tree_logits
+from .modeling_jakiro import JakiroDraftModel
+from .tree import DraftTree
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+@dataclass
+class JakiroGenerationStats:
+    """What the last `generate` call did. A round is one target forward (the prefill counts as the first round,
+    accepting one token); `accepted_lengths[i]` is how many tokens round i added, bonus token included, so
+    `new_tokens == sum(accepted_lengths)` and `mean_accepted_length` (tau) `== new_tokens / rounds`.
+    Times are host wall-clock seconds."""
+
+    new_tokens: int = 0
+    rounds: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    lookup_rounds: int = 0  # rounds whose tree carried n-gram lookup nodes
+    lookup_accepted: int = 0  # accepted tokens that only the n-gram lookup proposed
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    def record(self, accepted: int) -> None:
+        self.rounds += 1
+        self.new_tokens += accepted
+        self.accepted_lengths.append(accepted)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "mean_accepted_length": self.mean_accepted_length}
+
+
+def _forward_accepts(model, name: str) -> bool:
+    """Whether the model's forward takes `name` (optional arguments such as `logits_to_keep` are missing from some
+    remote-code models, which then fail with a TypeError)."""
+    return name in inspect.signature(model.forward).parameters
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5.24 renamed the forward argument `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+# Model inputs that `generate` hands to every decoding method (5.17 to 5.24) and the loop below handles: the padding
+# mask and the positions derived from it, the empty cache generate prepares, the prefill's `logits_to_keep=1`.
+# Anything else (`pixel_values`, `token_type_ids`, ...) would be dropped, and the output would silently differ from
+# plain generate's, so it is refused by name.
+_HANDLED_MODEL_KWARGS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep")
+
+
+def _check_model_kwargs(model_kwargs: dict, generation_config: GenerationConfig) -> None:
+    unhandled = sorted(key for key, value in model_kwargs.items() if value is not None and key not in _HANDLED_MODEL_KWARGS)
+    if unhandled:
+        raise ValueError(
+            f"Jakiro decoding cannot use the model input(s) {', '.join(unhandled)}: its tree path feeds the target "
+            "input_ids and attention_mask only, so the output would differ from plain generate (a vision-language "
+            "target would decode without its image). Generate without the Jakiro draft for such inputs, or leave "
+            f"{', '.join(unhandled)} out."
+        )
+    if model_kwargs.get("logits_to_keep") not in (None, 1):
+        raise ValueError(
+            f"Jakiro decoding keeps the logits it needs itself; got logits_to_keep={model_kwargs['logits_to_keep']!r}. "
+            "Leave logits_to_keep out."
+        )
+    if generation_config.return_dict_in_generate:
+        for flag in ("output_attentions", "output_hidden_states"):
+            if getattr(generation_config, flag, False):
+                raise ValueError(
+                    f"Jakiro decoding does not return per-step attentions or hidden states; got {flag}=True with "
+                    f"return_dict_in_generate=True. Leave {flag} out, or generate without the Jakiro draft."
+                )
+
+
+def _left_padding(attention_mask, length: int) -> int:
+    """Number of left-padding positions of a [1, length] mask (None: no padding); refuses any other zeros."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return 0
+    padding = int((attention_mask[0].cumsum(0) == 0).sum())
+    if padding == length or not bool(attention_mask[0, padding:].all()):
+        raise ValueError(
+            "Jakiro decoding supports left padding only (zeros before the first real token, at least one real "
+            "token); fix the attention_mask."
+        )
+    return padding
+
+
+def _check_position_ids(position_ids, padding: int, length: int) -> None:
+    """`generate` passes positions 0, 1, ... over the real tokens (what pads get differs between versions and does
+    not matter: they are masked). A user's own positions would be ignored by the tree path: refuse them."""
+    if position_ids is None:
+        return
+    expected = torch.arange(length - padding, device=position_ids.device)[None]
+    if tuple(position_ids.shape) != (1, length) or not torch.equal(position_ids[:, padding:], expected):
+        raise ValueError(
+            "Jakiro decoding places tokens at positions 0, 1, ... after the left padding, but the position_ids "
+            "passed to generate differ; the output would differ from plain generate. Leave position_ids out."
+        )
+
+
+def _check_supported(target, draft, input_ids, processors, model_kwargs, generation_config) -> None:
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"Jakiro decoding supports batch size 1 for now; got a batch of {input_ids.shape[0]}. "
+            "Call generate once per prompt."
+        )
+    attention = getattr(target.config, "_attn_implementation", None) or "sdpa"
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"The target uses attn_implementation='{attention}'. Tree verification needs an explicit 4D tree mask, "
+            f"which only {' and '.join(SUPPORTED_ATTENTION)} honour; load the target with attn_implementation='sdpa'."
+        )
+    if target.config.is_encoder_decoder:
+        raise ValueError("Jakiro decoding supports decoder-only targets only.")
+    for key in ("cache", "past_key_values"):
+        given = model_kwargs.get(key)
+        if given is not None and given.get_seq_length() > 0:
+            raise ValueError("Jakiro decoding starts from an empty cache; do not pass a filled cache to generate.")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("Jakiro decoding needs input_ids, not inputs_embeds.")
+    _check_model_kwargs(model_kwargs, generation_config)
+    check_processors(processors)
+    draft.bind_target(target)  # checks shapes every call: the draft may have been bound to another target before
+
+
+def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor):
+    """The target's output layer, when leaf logits may be left to `verify_tree` to compute lazily; else None.
+
+    Most tree nodes are leaves, and a leaf's logits matter only when the accepted path ends there, so the target's
+    forward can keep logits for internal nodes only (`logits_to_keep` with node indices) and apply its output layer
+    to one leaf afterwards. The aim is to skip most of the lm_head rows of a verify forward on a CPU, where compute
+    grows with every row; but the leaf's one-row product reads the whole output matrix again, and on SmolLM2-135M
+    with 2 cores the two paths measured within noise of each other, on Qwen2.5-Coder-1.5B (a 151936-row output
+    layer) the lazy path was 0.79-1.00x the time (README). On an accelerator extra rows are nearly free and the
+    extra host sync is not, so the full logits are kept there. `last_hidden`/`last_logits` (the prefill's last
+    position) check that the output layer alone reproduces the model's logits: models that scale or soft-cap logits
+    after it keep the full path.
+    """
+    if last_hidden.device.type != "cpu" or not _forward_accepts(target, "logits_to_keep"):
+        return None
+    head = target.get_output_embeddings()
+    if head is None:
+        return None
+    reproduced = head(last_hidden).float()
+    return head if torch.allclose(reproduced, last_logits.float(), rtol=1e-3, atol=1e-3) else None
+
+
+@dataclass
+class VerifiedRound:
+    """What one verification round accepted; tensors on the target's device, rows in path order (root first).
+
+    path:      [m] node indices of the accepted path, root (node 0) first.
+    bonus:     [] the target's own token after the path's last node.
+    processed: [m, vocab] processed logits at the path's nodes: the scores of the round's m new tokens.
+    raw:       [m, vocab] raw (float32) logits at the same nodes.
+    features:  [m, hidden] the target's last hidden states at the same nodes (the draft reads them next round).
+    """
+
+    path: torch.LongTensor
+    bonus: torch.LongTensor
+    processed: torch.Tensor
+    raw: torch.Tensor
+    features: torch.Tensor
+
+
+def verify_tree(
+    target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool, leaf_head=None, padding=0
+):
+    """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
+    depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
+    cache positions hold the prompt's left padding: hidden from the tree, and not counted in its positions.
+
+    Returns a `VerifiedRound`. `sequence` ([1, length], ending with the root token) is what the logits processors see as the prefix.
+    `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at most one leaf after.
+    """
+    past = cache.get_seq_length()
+    internal = tree.internal_nodes() if leaf_head is not None else None
+    out = target(
+        input_ids=tree.tokens[None],
+        position_ids=tree.position_ids(past - padding),
+        attention_mask=tree.attention_mask(past, target.dtype, padding),
+        use_cache=True,
+        output_hidden_states=True,
+        **({} if internal is None else {"logits_to_keep": internal}),
+        **{cache_kwarg: cache},
+    )
+    features = out.hidden_states[-1][0]
+    raw = out.logits[0].float()
+    processed = process_tree_logits(processors, sequence, tree, raw, nodes=internal)
+    if internal is None:
+        path, bonus = verification.verify(tree, processed, do_sample)
+        keep_accepted(cache, past, path)
+        return VerifiedRound(path, bonus, processed[path], raw[path], features[path])
+
+    leaf = {}
+
+    def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
+        leaf["raw"] = leaf_head(features[node][None]).float()
+        leaf["processed"] = process_tree_logits(processors, sequence, tree, leaf["raw"], nodes=node[None])
+        return leaf["processed"][0]
+
+    path, bonus = verification.verify(tree, processed, do_sample, leaf_logits)
+    keep_accepted(cache, past, path)
+    row = torch.full_like(tree.tokens, -1)
+    row[internal] = torch.arange(internal.numel(), device=internal.device)
+    if leaf:  # every node of the path but the last is internal
+        rows = row[path[:-1]]
+        processed, raw = torch.cat([processed[rows], leaf["processed"]]), torch.cat([raw[rows], leaf["raw"]])
+    else:
+        processed, raw = processed[row[path]], raw[row[path]]
+    return VerifiedRound(path, bonus, processed, raw, features[path])
+
+
+@torch.no_grad()
+def jakiro_decode(
+    target,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    draft: JakiroDraftModel,
+    streamer=None,
+    settings: TreeSettings | None = None,
+    **model_kwargs,
+):
+    """The decoding loop; `generate` has already prepared processors, stopping criteria and the config."""
+    _check_supported(target, draft, input_ids, logits_processor, model_kwargs, generation_config)
+    settings = settings or TreeSettings.resolve(draft)
+    do_sample = generation_config.do_sample
+    want_dict = generation_config.return_dict_in_generate
+    keep_scores = want_dict and generation_config.output_scores
+    keep_logits = want_dict and generation_config.output_logits
+    scores, raw_logits = ([] if keep_scores else None), ([] if keep_logits else None)
+
+    # Left padding in a batch of one: as in plain generate, the target's cache holds the padded positions (so that a
+    # cache returned with return_dict_in_generate lines up with `sequences` and can be continued), nothing attends to
+    # them and positions continue after them; the draft reads the unpadded prompt only. The logits processors and
+    # stopping criteria see the full row, exactly as in plain generate.
+    padding = _left_padding(model_kwargs.get("attention_mask"), input_ids.shape[1])
+    _check_position_ids(model_kwargs.get("position_ids"), padding, input_ids.shape[1])
+
+    stats = JakiroGenerationStats()
+    started = time.perf_counter()
+    target_device = target.get_input_embeddings().weight.device
+    sequence = input_ids.to(target_device)
+    cache = new_target_cache(target.config)
+    cache_kwarg = _cache_kwarg(target)
+    candidates = JakiroCandidateGenerator(draft, settings)
+
+    def emit(new_tokens: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
+        """Append tokens one at a time, checking the stopping criteria after each; True when generation ends."""
+        nonlocal sequence
+        for i, token in enumerate(new_tokens):
+            sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)
+            if keep_scores:
+                scores.append(processed[i : i + 1])
+            if keep_logits:
+                raw_logits.append(raw[i : i + 1])
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            if bool(stopping_criteria(sequence, processed[i : i + 1]).any()):
+                stats.record(i + 1)
+                return True
+        stats.record(len(new_tokens))
+        return False
+
+    # Prefill: the prompt through the target, the first token from its last position.
+    tic = time.perf_counter()
+    padded = {}
+    if padding:
+        mask = model_kwargs["attention_mask"].to(target_device)
+        positions = model_kwargs.get("position_ids")
+        if positions is None:
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        padded = dict(attention_mask=mask, position_ids=positions.to(target_device))
+    out = target(
+        input_ids=sequence,
+        **padded,
+        use_cache=True,
+        output_hidden_states=True,
+        **({"logits_to_keep": 1} if _forward_accepts(target, "logits_to_keep") else {}),
+        **{cache_kwarg: cache},
+    )
+    raw = out.logits[:, -1].float()
+    processed = logits_processor(sequence, raw.clone())
+    first = verification.target_choices(processed, do_sample)
+    candidates.set_features(out.hidden_states[-1][0, padding:])
+    if candidates.lookup is not None:  # the prompt and the first token, once; later rounds add their own tokens
+        candidates.extend_context(torch.cat([sequence[0, padding:], first.to(sequence.device)]).tolist())
+    leaf_head = lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1])
+    stats.verify_time_s += time.perf_counter() - tic
+    finished = emit(first.tolist(), processed, raw)
+
+    while not finished:
+        tic = time.perf_counter()
+        tree = candidates.get_candidates(sequence[:, padding:]).to_device(target_device)
+        stats.draft_time_s += time.perf_counter() - tic
+
+        tic = time.perf_counter()
+        verified = verify_tree(target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding)
+        candidates.set_features(verified.features)
+        fetch = [tree.tokens[verified.path[1:]], verified.bonus[None]]
+        if tree.from_lookup is not None:  # how many accepted tokens only the lookup proposed, in the same copy
+            fetch.append(tree.from_lookup[verified.path].sum()[None])
+        new_tokens = torch.cat(fetch).tolist()
+        if tree.from_lookup is not None:
+            stats.lookup_rounds += 1
+            stats.lookup_accepted += new_tokens.pop()
+        stats.verify_time_s += time.perf_counter() - tic
+        finished = emit(new_tokens, verified.processed, verified.raw)
+        candidates.extend_context(new_tokens)
+
+    truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
+    if streamer is not None:
+        streamer.end()
+    stats.total_time_s = time.perf_counter() - started
+    draft.last_generation_stats = stats
+
+    if not want_dict:
+        return sequence
+    output = GenerateDecoderOnlyOutput(
+        sequences=sequence,
+        scores=tuple(scores) if keep_scores else None,
+        logits=tuple(raw_logits) if keep_logits else None,
+    )
+    output["cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"] = cache
+    return output
+
+
+def _streamer_of_running_generate(model):
+    """The `streamer` passed to the `generate` call that is running a `custom_generate` function, or None.
+
+    transformers hands a `custom_generate` callable only the keyword arguments that `_sample` does not declare, and
+    `_sample` declares `streamer`: it is dropped, after `generate` has already put the prompt into it, so the stream
+    would never end (a `TextIteratorStreamer` consumer hangs). No public way gives it back, so it is read from
+    `generate`'s own frame, which is on the stack right above this call.
+    """
+    generate_code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back
+        while caller is not None:
+            if caller.f_code is generate_code and caller.f_locals.get("self") is model:
+                return caller.f_locals.get("streamer")
+            caller = caller.f_back
+        return None
+    finally:
+        del frame, caller  # frames hold references to every local on the stack
+
+
+def jakiro_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer=None,
+    draft: JakiroDraftModel | None = None,
+    total_tokens: int | None = None,
+    depth: int | None = None,
+    top_k: int | None = None,
+    contrastive: bool | None = None,
+    lookup_tokens: int | None = None,
+    **model_kwargs,
+):
+    """`custom_generate` entry point: `target.generate(**inputs, custom_generate=jakiro_generate, draft=draft,
+    total_tokens=60, depth=5, top_k=10, lookup_tokens=10)`. Tree settings default to `draft.config`."""
+    if draft is None:
+        raise ValueError("jakiro_generate needs `draft=`, a JakiroDraftModel for this target.")
+    settings = TreeSettings.resolve(
+        draft, total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=contrastive, lookup_tokens=lookup_tokens
+    )
+    if streamer is None:
+        streamer = _streamer_of_running_generate(model)
+    return jakiro_decode(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, settings, **model_kwargs
+    )
+
+
+__all__ = [
+    "JakiroGenerationStats",
+    "VerifiedRound",
+    "jakiro_decode",
+    "jakiro_generate",
+    "lazy_leaf_head",
+    "verify_tree",
+]

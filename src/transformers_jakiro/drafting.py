@@ -1,0 +1,157 @@
+"""Drafting: the tree settings and the candidate generator that expands one Jakiro token tree per round.
+
+The draft (its KV cache kept across rounds) reads the newly accepted tokens with their target hidden states and
+expands a token tree EAGLE-2 style, the last level from the contrastive (two-ahead) head. The decoding loop that
+verifies the tree lives in `decoding.py`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
+
+from .kv_cache import truncate
+from .lookup import NgramIndex
+from .modeling_jakiro import JakiroDraftModel
+from .tree import DraftTree, TreeRecorder, graft_chains
+
+
+@dataclass
+class TreeSettings:
+    """total_tokens: draft nodes verified per round (root excluded). depth: draft forwards per round.
+    top_k: children per node and nodes expanded per level. contrastive: build the last level from the
+    contrastive (two-ahead) head, giving depth + 1 levels for depth forwards; False is the EAGLE-2-style ablation.
+    lookup_tokens: length of the n-gram lookup chains grafted onto the tree (0: off; they come on top of
+    total_tokens). lookup_max_ngram: longest suffix n-gram matched. lookup_chains: distinct chains per round."""
+
+    total_tokens: int
+    depth: int
+    top_k: int
+    contrastive: bool
+    lookup_tokens: int = 0
+    lookup_max_ngram: int = 3
+    lookup_chains: int = 1
+
+    @classmethod
+    def resolve(cls, draft: JakiroDraftModel, **overrides) -> "TreeSettings":
+        config = draft.config
+        values = dict(
+            total_tokens=config.total_tokens, depth=config.depth, top_k=config.top_k, contrastive=config.contrastive_head
+        )
+        # Heads saved before n-gram lookup existed have no lookup fields: lookup off.
+        for name in ("lookup_tokens", "lookup_max_ngram", "lookup_chains"):
+            values[name] = getattr(config, name, getattr(cls, name))
+        values.update(getattr(draft, "_tree_overrides", None) or {})
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)
+        for name in ("total_tokens", "depth", "top_k", "lookup_max_ngram", "lookup_chains"):
+            if int(getattr(settings, name)) < 1:
+                raise ValueError(f"Jakiro tree setting {name} must be >= 1, got {getattr(settings, name)}.")
+        if int(settings.lookup_tokens) < 0:
+            raise ValueError(f"Jakiro tree setting lookup_tokens must be >= 0 (0: off), got {settings.lookup_tokens}.")
+        if settings.contrastive and not config.contrastive_head:
+            raise ValueError("contrastive=True needs a draft with a contrastive head (config.contrastive_head).")
+        return settings
+
+
+
+class JakiroCandidateGenerator:
+    """Proposes one token tree per round from a Jakiro draft.
+
+    Not a transformers `CandidateGenerator`, on purpose: that contract returns one linear chain of candidate ids (and
+    their logits) for `_assisted_decoding` to verify, and a token tree cannot be expressed that way; the tree goes to
+    `decoding.verify_tree` instead, and transformers' assisted loop never sees this class.
+
+    The draft's KV cache holds the accepted context: draft position t has read (f_t, x_{t+1}), the target's hidden
+    state at t and the next token. `set_features` hands over the target hidden states of newly accepted positions;
+    `get_candidates` feeds them (with their next tokens) to the draft, expands the tree EAGLE-2 style and returns it
+    flattened. The tree's KV entries are dropped again at the end of the round, so the cache only ever holds real
+    target features. With `settings.lookup_tokens > 0` an `NgramIndex` of the accepted sequence (fed through
+    `extend_context`) adds continuations of earlier occurrences of the current suffix to the tree (`graft_chains`).
+    """
+
+    def __init__(self, draft: JakiroDraftModel, settings: TreeSettings):
+        self.draft = draft
+        self.settings = settings
+        self.cache = DynamicCache()
+        self.pending_features = None
+        vocab = draft.config.draft_vocab_size or draft.config.vocab_size
+        self.top_k = min(settings.top_k, vocab)
+        self.lookup = NgramIndex(settings.lookup_max_ngram) if settings.lookup_tokens > 0 else None
+
+    def extend_context(self, tokens: list[int]) -> None:
+        """Host copies of the accepted tokens (prompt first, then each round's), for the n-gram lookup."""
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
+
+    def set_features(self, features: torch.Tensor) -> None:
+        """[m, hidden]: target hidden states of the positions accepted since the last round."""
+        self.pending_features = features
+
+    def _draft_level(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor]:
+        """Top-k (log-probability, target token id) of the draft's next-token distribution for each feature row."""
+        log_probs = F.log_softmax(self.draft.compute_logits(features).float(), dim=-1)
+        top = log_probs.topk(self.top_k, dim=-1)
+        return top.values, self.draft.draft_to_target_ids(top.indices)
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids: torch.LongTensor) -> DraftTree:
+        """Expand a tree rooted at `input_ids[0, -1]` (the last accepted token); `input_ids` is [1, length]."""
+        draft, k, settings = self.draft, self.top_k, self.settings
+        device = draft.fc.weight.device
+        input_ids = input_ids.to(device)
+        past = self.cache.get_seq_length()
+        features = self.pending_features
+        next_tokens = input_ids[:, past + 1 : past + 1 + features.shape[0]]
+        out = draft(input_ids=next_tokens, hidden_states=features[None], cache=self.cache, features_to_keep=1)
+        stable = past + features.shape[0]  # the root token was read at draft position stable - 1
+
+        recorder = TreeRecorder(input_ids[0, -1])
+        left = out.last_hidden_state[0]  # [rows, hidden]: rows of the last draft forward (the root: 1 row)
+        right = out.contrastive_hidden_state[0] if settings.contrastive else None
+        log_probs, tokens = self._draft_level(left)
+        kept_scores, kept_tokens = log_probs[0], tokens[0]
+        kept_index = recorder.add_level(kept_tokens, torch.zeros_like(kept_tokens), kept_scores, depth=1)
+        kept_rows = torch.zeros_like(kept_tokens)  # row of each kept node's parent in the last forward
+        visible = torch.eye(k, dtype=torch.bool, device=device)  # kept nodes x tree KV entries: own ancestors
+
+        for level in range(2, settings.depth + 1):
+            mask = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=device), visible], dim=1)
+            out = draft(
+                input_ids=kept_tokens[None],
+                hidden_states=left[kept_rows][None],  # a node reads its parent's predicted feature
+                position_ids=torch.full((1, k), stable - 2 + level, device=device),
+                attention_mask=mask[None, None],
+                cache=self.cache,
+            )
+            left = out.last_hidden_state[0]
+            right = out.contrastive_hidden_state[0] if settings.contrastive else None
+            log_probs, tokens = self._draft_level(left)  # [k, k]
+            scores = kept_scores[:, None] + log_probs
+            index = recorder.add_level(tokens, kept_index[:, None].expand(k, k), scores, depth=level)
+            best = scores.flatten().topk(k).indices
+            kept_rows = best // k
+            kept_index, kept_tokens, kept_scores = index.flatten()[best], tokens.flatten()[best], scores.flatten()[best]
+            visible = torch.cat([visible[kept_rows], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+
+        if settings.contrastive:
+            # The right head of node r predicts the token two ahead of r, i.e. a grandchild of r. Hang it under each
+            # kept child c of r (score(c) + its log-prob): every grandchild sits below its own parent. (The
+            # reference code attaches node r's predictions to the r-th kept child instead.)
+            log_probs, tokens = self._draft_level(right)
+            recorder.add_level(
+                tokens[kept_rows],
+                kept_index[:, None].expand(k, k),
+                kept_scores[:, None] + log_probs[kept_rows],
+                depth=settings.depth + 1,
+            )
+        truncate(self.cache, stable)
+        tree = recorder.flatten(settings.total_tokens)
+        if self.lookup is not None:
+            tree = graft_chains(tree, self.lookup.chains(settings.lookup_tokens, settings.lookup_chains))
+        return tree
+
+
+
+__all__ = ["JakiroCandidateGenerator", "TreeSettings"]
