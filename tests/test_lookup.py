@@ -256,3 +256,21 @@ def test_lookup_settings_are_validated(pairs):
         TreeSettings.resolve(draft, lookup_chains=0)
     generator = JakiroCandidateGenerator(draft, TreeSettings.resolve(draft))
     assert generator.lookup is None  # off by default: no index is kept
+
+
+def test_chain_length_adapts_to_what_was_accepted():
+    """A wrong chain shrinks the next one to a one-token probe; accepted chains grow it again (2a + 1, capped)."""
+    target = cycle_target(CYCLE)
+    draft = JakiroDraftModel.from_target(target)
+    # "4 5 6" first continues with 30 31 ... in the prompt, but the target goes on 7 8 ...: the first chain is wrong.
+    prompt = torch.tensor([[3, 4, 5, 6, 30, 31, 32, 33, 34, 35, 36, 37, 40, 3, 4, 5]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=60)
+    with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
+        got = target.generate(prompt, do_sample=False, max_new_tokens=60, assistant_model=draft)
+    assert torch.equal(got, expected)
+    lengths = draft.last_generation_stats.accepted_lengths
+    assert lengths[1] == 1  # the 10-token chain was rejected at its first token
+    # once the cycle repeats: a 1-token probe accepted, then chains of 3 and 7, then whole 10-token chains
+    first_whole = lengths.index(11)
+    assert lengths[first_whole - 2 : first_whole + 1] == [4, 8, 11]
+    assert 2 in lengths[2 : first_whole - 2]

@@ -326,12 +326,14 @@ def jakiro_decode(
         if tree.from_lookup is not None:  # how many accepted tokens only the lookup proposed, in the same copy
             fetch.append(tree.from_lookup[verified.path].sum()[None])
         new_tokens = torch.cat(fetch).tolist()
+        lookup_accepted = None
         if tree.from_lookup is not None:
+            lookup_accepted = new_tokens.pop()
             stats.lookup_rounds += 1
-            stats.lookup_accepted += new_tokens.pop()
+            stats.lookup_accepted += lookup_accepted
         stats.verify_time_s += time.perf_counter() - tic
         finished = emit(new_tokens, verified.processed, verified.raw)
-        candidates.extend_context(new_tokens)
+        candidates.extend_context(new_tokens, lookup_accepted)
 
     truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
     if streamer is not None:

@@ -79,11 +79,20 @@ class JakiroCandidateGenerator:
         vocab = draft.config.draft_vocab_size or draft.config.vocab_size
         self.top_k = min(settings.top_k, vocab)
         self.lookup = NgramIndex(settings.lookup_max_ngram) if settings.lookup_tokens > 0 else None
+        self.lookup_length = settings.lookup_tokens  # adapted per round, see extend_context
 
-    def extend_context(self, tokens: list[int]) -> None:
-        """Host copies of the accepted tokens (prompt first, then each round's), for the n-gram lookup."""
-        if self.lookup is not None:
-            self.lookup.extend(tokens)
+    def extend_context(self, tokens: list[int], lookup_accepted: int | None = None) -> None:
+        """Host copies of the accepted tokens (prompt first, then each round's), for the n-gram lookup.
+
+        `lookup_accepted`: after a round whose tree carried lookup nodes, how many of them were accepted (a). The next
+        chain is 2a + 1 tokens long, at most `lookup_tokens`: chains that keep being accepted stay long, and in text
+        that does not repeat itself (where a wrong chain only costs verification) a single-token probe is all that is
+        verified until a chain is accepted again."""
+        if self.lookup is None:
+            return
+        self.lookup.extend(tokens)
+        if lookup_accepted is not None:
+            self.lookup_length = min(self.settings.lookup_tokens, 2 * lookup_accepted + 1)
 
     def set_features(self, features: torch.Tensor) -> None:
         """[m, hidden]: target hidden states of the positions accepted since the last round."""
@@ -149,7 +158,7 @@ class JakiroCandidateGenerator:
         truncate(self.cache, stable)
         tree = recorder.flatten(settings.total_tokens)
         if self.lookup is not None:
-            tree = graft_chains(tree, self.lookup.chains(settings.lookup_tokens, settings.lookup_chains))
+            tree = graft_chains(tree, self.lookup.chains(self.lookup_length, settings.lookup_chains))
         return tree
 
 
