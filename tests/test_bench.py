@@ -241,3 +241,15 @@ def test_acceptance_at_depth_in_rows():
     assert rows["jakiro"]["acceptance_at_depth"] == [round(2 / 3, 4), round(1 / 3, 4)]
     assert rows["plain"]["acceptance_at_depth"] is None
     assert bench.format_acceptance([0.5, 0.25]) == "d>=1 0.50, d>=2 0.25"
+
+
+def test_tree_option_overrides_the_heads_settings(models):
+    target, tokenizer, draft, _ = models
+    assert bench._tree_option("8/2/6", 5) == {"total_tokens": 8, "depth": 2, "top_k": 6, "lookup_tokens": 5}
+    with pytest.raises(SystemExit, match="TOTAL_TOKENS/DEPTH/TOP_K"):
+        bench._tree_option("8/2", None)
+    result = bench.run_benchmark(target, tokenizer, draft, prompts=PROMPTS, methods=["jakiro_lookup"],
+                                 max_new_tokens=4, tree_overrides=bench._tree_option("3/1/2", 7), log=lambda _: None)
+    settings = result["config"]["tree_settings"]
+    assert (settings["total_tokens"], settings["depth"], settings["top_k"]) == (3, 1, 2)
+    assert settings["lookup_tokens (jakiro_lookup)"] == 7 and settings["source"] == "command line"

@@ -551,6 +551,7 @@ def run_benchmark(
     max_new_tokens: int = 128,
     tune_settings: bool = False,
     tune_kwargs: dict | None = None,
+    tree_overrides: dict | None = None,
     out_dir: str | os.PathLike | None = None,
     command: str | None = None,
     labels: dict | None = None,
@@ -561,7 +562,8 @@ def run_benchmark(
 
     `prompts` maps suite -> records (`turns`, optional `id`/`category`); without it the suites are read from
     `data_dir` (`<suite>.jsonl`), `num_prompts` each (see `load_suite` for `spread_categories`). `methods` defaults
-    to every method whose model is given."""
+    to every method whose model is given. `tree_overrides` (total_tokens, depth, top_k, lookup_tokens) replace the
+    draft's tree settings when nothing is tuned."""
     if methods is None:
         methods = [m for m in METHODS
                    if (m not in TREE_METHODS or draft is not None) and (m != "assisted" or assistant is not None)]
@@ -601,6 +603,8 @@ def run_benchmark(
 
     tree = {}
     if draft is not None:
+        if tree_overrides and not tune_settings:
+            tree = {key: value for key, value in tree_overrides.items() if value is not None}
         if tune_settings:
             kwargs = {"max_new_tokens": min(32, max_new_tokens), **(tune_kwargs or {})}
             result["tune"] = tune(target, tokenizer, draft, tuning_prompts(prompts), log=log, **kwargs)
@@ -613,7 +617,8 @@ def run_benchmark(
         result["config"]["tree_settings"] = {"total_tokens": resolved.total_tokens, "depth": resolved.depth,
                                              "top_k": resolved.top_k, "contrastive_head": resolved.contrastive,
                                              "lookup_tokens (jakiro_lookup)": lookup,
-                                             "source": "tuned" if tune_settings else "draft config"}
+                                             "source": "tuned" if tune_settings else
+                                             "command line" if tree else "draft config"}
 
     # Warm-up: one short generation per method.
     warm = encode(tokenizer, [{"role": "user", "content": next(r for v in prompts.values() for r in v)["turns"][0]}],
@@ -845,6 +850,17 @@ def load_draft(spec: str, target):
     return draft.bind_target(target).eval()
 
 
+def _tree_option(tree: str | None, lookup_tokens: int | None) -> dict:
+    """`--tree 8/2/6` (total_tokens/depth/top_k) and `--lookup-tokens N` as tree setting overrides."""
+    overrides = {"lookup_tokens": lookup_tokens}
+    if tree:
+        parts = tree.split("/")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise SystemExit(f"bench: --tree takes TOTAL_TOKENS/DEPTH/TOP_K, e.g. 8/2/6; got {tree!r}")
+        overrides.update(zip(("total_tokens", "depth", "top_k"), map(int, parts)))
+    return overrides
+
+
 def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
@@ -865,6 +881,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} "
                         "(default: all whose models are given)")
     parser.add_argument("--tune", action="store_true", help="tune total_tokens/depth for this machine first")
+    parser.add_argument("--tree", default=None, metavar="TOTAL/DEPTH/TOPK",
+                        help="tree settings for this run instead of the head's (ignored with --tune), e.g. 8/2/6")
+    parser.add_argument("--lookup-tokens", type=int, default=None,
+                        help="n-gram lookup chain budget of the jakiro_lookup method (default: tuned, the head's, or "
+                             f"{LOOKUP_TOKENS})")
     parser.add_argument("--out", default=None, help="directory for results.json, results.md, speedup.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--update-head", action="store_true", help="write the results into the --draft directory: "
@@ -890,6 +911,7 @@ def run(args) -> int:
         num_prompts=args.num_prompts, spread_categories=args.spread_categories,
         temperatures=[float(t) for t in _csv(args.temperature)], methods=methods,
         max_new_tokens=args.max_new_tokens, tune_settings=args.tune, out_dir=args.out, labels=labels, seed=args.seed,
+        tree_overrides=_tree_option(args.tree, args.lookup_tokens),
     )
     print()
     print(markdown_table(result))
