@@ -59,3 +59,13 @@ def test_sources_limits_mixing_and_benchmark_exclusion(tmp_path):
     assert len(conversations) == 3 and not bad
     with pytest.raises(FileNotFoundError, match="training data not found"):
         read_sources(str(tmp_path / "missing.jsonl,sharegpt:1"), sharegpt_messages)
+
+
+def test_distill_reads_first_human_turns_from_a_data_spec(tmp_path):
+    from transformers_jakiro.distill import read_prompts
+
+    array = tmp_path / "sharegpt.json"
+    write_truncated_array(array, [record(0), record(1, first="gpt"), record(2), record(3)])
+    prompts, bad = read_prompts(f"{array}:5")
+    assert prompts == [("r0", "question 0"), ("r2", "question 2")]  # record 3 is the truncated tail
+    assert len(bad) == 1  # record 1 has no human turn

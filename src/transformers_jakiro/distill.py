@@ -67,9 +67,28 @@ def read_jsonl(path, parse):
     return good, bad
 
 
-def read_prompts(path) -> tuple[list[tuple[str, str]], list[tuple[int, str]]]:
-    """([(id, prompt)] in file order, duplicates of an earlier id dropped, [(line number, reason)])."""
-    good, bad = read_jsonl(path, lambda r: (record_id(r, prompt_of(r)), prompt_of(r)))
+def read_prompts(path) -> tuple[list[tuple[str, str]], list[tuple]]:
+    """([(id, prompt)] in file order, duplicates of an earlier id dropped, [(line number, reason)]).
+
+    `path` may also be a data spec (`sharegpt:2000`, a ShareGPT JSON array, several sources separated by commas; see
+    `sharegpt.read_sources`): then the first human turn of each conversation is the prompt, benchmark questions are
+    skipped, and bad records are named by source and index."""
+    from .sharegpt import benchmark_prompts, is_data_spec, read_sources
+
+    def parse(record):
+        return record_id(record, prompt_of(record)), prompt_of(record)
+
+    if is_data_spec(path):
+        parsed, bad = read_sources(str(path), parse)
+        excluded = benchmark_prompts()
+        good = []
+        for where, (pid, text) in ((f"#{i}", p) for i, p in enumerate(parsed)):
+            if " ".join(text.lower().split()) in excluded:
+                bad.append((where, "benchmark prompt"))
+            else:
+                good.append((where, (pid, text)))
+    else:
+        good, bad = read_jsonl(path, parse)
     prompts, seen = [], set()
     for number, (pid, text) in good:
         if pid in seen:
@@ -196,7 +215,8 @@ def _response_length(row: torch.Tensor, eos, pad_id) -> int:
 # -- command line ------------------------------------------------------------------------------------------------
 def add_arguments(parser) -> None:
     parser.add_argument("--target", required=True, help="registry name, .gguf file, local model dir or Hub id")
-    parser.add_argument("--prompts", required=True, help="JSONL of prompts (turns / conversations / prompt field)")
+    parser.add_argument("--prompts", required=True, help="JSONL of prompts (turns / conversations / prompt field), "
+                        "or a data spec such as `sharegpt:2000` (first human turns; see `jakiro train --data`)")
     parser.add_argument("--out", required=True, help="output JSONL (ShareGPT format); appended to, resumable")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -219,7 +239,9 @@ def load_target_or_explain(name: str, dtype="float32"):
 
 
 def run(args) -> int:
-    if not Path(args.prompts).is_file():
+    from .sharegpt import is_data_spec
+
+    if not is_data_spec(args.prompts) and not Path(args.prompts).is_file():
         raise FileNotFoundError(f"prompts file not found: {args.prompts}")
     target, tokenizer = load_target_or_explain(args.target, args.dtype)
     summary = distill(

@@ -170,7 +170,10 @@ def read_sources(spec: str, parse, exclude: set[str] | None = None) -> tuple[lis
 def is_data_spec(spec) -> bool:
     """True when `spec` is for `read_sources` (several sources, `sharegpt`, `:N`, a JSON array), not one JSONL file."""
     text = os.fspath(spec)
-    return not Path(text).is_file() or text.endswith(".json")
+    if "," in text:
+        return True
+    name, limit = _split_limit(text)
+    return name == "sharegpt" or limit is not None or name.endswith(".json")
 
 
 __all__ = [
