@@ -27,7 +27,8 @@ def brute_force_chains(tokens, max_ngram, max_tokens, max_chains):
         suffix = tokens[end - n :]
         for start in range(end - 1, n - 1, -1):
             if tokens[start - n : start] == suffix:
-                chain = tokens[start : start + max_tokens]
+                period = tokens[start:]  # what follows the occurrence, repeated if the chain outruns it
+                chain = (period * max_tokens)[:max_tokens]
                 if not any(f[: len(chain)] == chain for f in found):
                     found.append(chain)
                     if len(found) == max_chains:
@@ -60,6 +61,10 @@ def test_ngram_index_prefers_longest_then_most_recent_match():
     # "1 2" occurred once before (continued by 9 9); the single "2" occurred twice, the most recent continuing 8.
     assert index.chains(3, 1) == [[9, 9, 5]]
     assert index.chains(3, 3) == [[9, 9, 5], [8, 8, 1]]
+    # a loop: the continuation after the latest "a b" is only "c" long, so it repeats "c a b c ..."
+    loop = NgramIndex(max_ngram=2)
+    loop.extend([4, 1, 2, 3, 1, 2, 3, 1, 2])
+    assert loop.chains(7, 1) == [[3, 1, 2, 3, 1, 2, 3]]
     assert NgramIndex(2).chains(5) == []  # empty sequence
     fresh = NgramIndex(3)
     fresh.extend([4, 5, 6])

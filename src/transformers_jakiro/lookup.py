@@ -43,6 +43,10 @@ class NgramIndex:
         occurrences the most recent comes first (recent text predicts the next tokens better than the prompt's
         start). Further chains come from older occurrences, then shorter n-grams; a continuation that is a prefix
         of one already taken adds nothing and is skipped.
+
+        A continuation that reaches the end of the sequence before `max_tokens` is extended periodically: if the
+        text from the occurrence to the end is about to repeat, it repeats whole (a loop of period p would otherwise
+        give chains of at most p tokens).
         """
         end = len(self.tokens)
         found: list[list[int]] = []
@@ -53,6 +57,9 @@ class NgramIndex:
                 if start >= end:  # the suffix itself: nothing follows it yet
                     continue
                 chain = self.tokens[start : start + max_tokens]
+                if len(chain) < max_tokens:
+                    period = end - start
+                    chain = [self.tokens[start + i % period] for i in range(max_tokens)]
                 if any(taken[: len(chain)] == chain for taken in found):
                     continue
                 found.append(chain)
