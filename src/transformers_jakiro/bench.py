@@ -315,7 +315,9 @@ def _median_time(fn, repeats: int, device) -> float:
 def _prefix_tree(tree: DraftTree, n: int) -> DraftTree:
     """The first n + 1 nodes (root included) of a breadth-first tree: a tree again (parents precede children)."""
     m = min(n + 1, tree.num_nodes)
-    return DraftTree(tree.tokens[:m], tree.parents[:m], tree.depths[:m], tree.ancestors[:m, :m], tree.scores[:m])
+    return DraftTree(
+        tree.tokens[:m], tree.parents[:m], tree.depths[:m], tree.ancestors[:m, :m], tree.scores[:m], levels=tree.levels
+    )
 
 
 @torch.no_grad()

@@ -172,6 +172,8 @@ class VerifiedRound:
 
     path:      [m] node indices of the accepted path, root (node 0) first.
     bonus:     [] the target's own token after the path's last node.
+    tokens:    [m] the round's new tokens: the accepted draft tokens below the root, then the bonus token.
+    token_ids: the same m tokens on the host (read in the round's one device-to-host copy).
     processed: [m, vocab] processed logits at the path's nodes: the scores of the round's m new tokens.
     raw:       [m, vocab] raw (float32) logits at the same nodes.
     features:  [m, hidden] the target's last hidden states at the same nodes (the draft reads them next round).
@@ -179,6 +181,8 @@ class VerifiedRound:
 
     path: torch.LongTensor
     bonus: torch.LongTensor
+    tokens: torch.LongTensor
+    token_ids: list[int]
     processed: torch.Tensor
     raw: torch.Tensor
     features: torch.Tensor
@@ -191,8 +195,10 @@ def verify_tree(
     depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
     cache positions hold the prompt's left padding: hidden from the tree, and not counted in its positions.
 
-    Returns a `VerifiedRound`. `sequence` ([1, length], ending with the root token) is what the logits processors see as the prefix.
-    `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at most one leaf after.
+    Returns a `VerifiedRound`. `sequence` ([1, length], ending with the root token) is what the logits processors
+    see as the prefix. `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at
+    most one leaf after. Host syncs: one copy of the path and its tokens, plus one in `process_tree_logits` when a
+    processor depends on the prefix (and, on the lazy-leaf path, the index of internal nodes and the leaf check).
     """
     past = cache.get_seq_length()
     internal = tree.internal_nodes() if leaf_head is not None else None
@@ -208,11 +214,6 @@ def verify_tree(
     features = out.hidden_states[-1][0]
     raw = out.logits[0].float()
     processed = process_tree_logits(processors, sequence, tree, raw, nodes=internal)
-    if internal is None:
-        path, bonus = verification.verify(tree, processed, do_sample)
-        keep_accepted(cache, past, path)
-        return VerifiedRound(path, bonus, processed[path], raw[path], features[path])
-
     leaf = {}
 
     def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
@@ -220,8 +221,19 @@ def verify_tree(
         leaf["processed"] = process_tree_logits(processors, sequence, tree, leaf["raw"], nodes=node[None])
         return leaf["processed"][0]
 
-    path, bonus = verification.verify(tree, processed, do_sample, leaf_logits)
+    padded_path, bonus = verification.verify(tree, processed, do_sample, None if internal is None else leaf_logits)
+    # The round's one device-to-host copy: the padded path (its length) with the tokens along it and the bonus.
+    padded_tokens = tree.tokens[padded_path.clamp(min=0)]
+    host = torch.cat([padded_path, padded_tokens, bonus[None]]).tolist()
+    width = padded_path.numel()
+    m = sum(node >= 0 for node in host[:width])
+    path = padded_path[:m]
+    token_ids = host[width + 1 : width + m] + host[-1:]
+    tokens = torch.cat([padded_tokens[1:m], bonus[None]])
     keep_accepted(cache, past, path)
+    if internal is None:
+        return VerifiedRound(path, bonus, tokens, token_ids, processed[path], raw[path], features[path])
+
     row = torch.full_like(tree.tokens, -1)
     row[internal] = torch.arange(internal.numel(), device=internal.device)
     if leaf:  # every node of the path but the last is internal
@@ -229,7 +241,7 @@ def verify_tree(
         processed, raw = torch.cat([processed[rows], leaf["processed"]]), torch.cat([raw[rows], leaf["raw"]])
     else:
         processed, raw = processed[row[path]], raw[row[path]]
-    return VerifiedRound(path, bonus, processed, raw, features[path])
+    return VerifiedRound(path, bonus, tokens, token_ids, processed, raw, features[path])
 
 
 @torch.no_grad()
@@ -268,22 +280,27 @@ def jakiro_decode(
     cache_kwarg = _cache_kwarg(target)
     candidates = JakiroCandidateGenerator(draft, settings)
 
-    def emit(new_tokens: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
-        """Append tokens one at a time, checking the stopping criteria after each; True when generation ends."""
+    def emit(tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
+        """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends.
+
+        Plain decoding checks the stopping criteria after every token, and an EOS or a stop string may sit inside an
+        accepted path, so every prefix is checked; the m verdicts are read on the host together (one sync), and the
+        round is cut after the first token that stops."""
         nonlocal sequence
-        for i, token in enumerate(new_tokens):
-            sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)
-            if keep_scores:
-                scores.append(processed[i : i + 1])
-            if keep_logits:
-                raw_logits.append(raw[i : i + 1])
-            if streamer is not None:
-                streamer.put(torch.tensor([token]))
-            if bool(stopping_criteria(sequence, processed[i : i + 1]).any()):
-                stats.record(i + 1)
-                return True
-        stats.record(len(new_tokens))
-        return False
+        start = sequence.shape[1]
+        sequence = torch.cat([sequence, tokens[None].to(sequence.device)], dim=1)
+        verdicts = [stopping_criteria(sequence[:, : start + i + 1], processed[i : i + 1]).any() for i in range(len(token_ids))]
+        stops = torch.stack(verdicts).tolist()
+        count = stops.index(True) + 1 if True in stops else len(token_ids)
+        sequence = sequence[:, : start + count]
+        if keep_scores:
+            scores.extend(processed[i : i + 1] for i in range(count))
+        if keep_logits:
+            raw_logits.extend(raw[i : i + 1] for i in range(count))
+        if streamer is not None:
+            streamer.put(torch.tensor(token_ids[:count]))
+        stats.record(count)
+        return True in stops
 
     # Prefill: the prompt through the target, the first token from its last position.
     tic = time.perf_counter()
@@ -308,7 +325,7 @@ def jakiro_decode(
     candidates.set_features(out.hidden_states[-1][0, padding:])
     leaf_head = lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1])
     stats.verify_time_s += time.perf_counter() - tic
-    finished = emit(first.tolist(), processed, raw)
+    finished = emit(first, first.tolist(), processed, raw)
 
     while not finished:
         tic = time.perf_counter()
@@ -318,9 +335,8 @@ def jakiro_decode(
         tic = time.perf_counter()
         verified = verify_tree(target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding)
         candidates.set_features(verified.features)
-        new_tokens = torch.cat([tree.tokens[verified.path[1:]], verified.bonus[None]]).tolist()
         stats.verify_time_s += time.perf_counter() - tic
-        finished = emit(new_tokens, verified.processed, verified.raw)
+        finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw)
 
     truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
     if streamer is not None:

@@ -21,6 +21,8 @@ class DraftTree:
     depths:    [n] 0 for the root, 1 for its children, ...
     ancestors: [n, n] bool, ancestors[i, j] is True when j is i itself or an ancestor of i.
     scores:    [n] cumulative draft log-probabilities (0 for the root).
+    levels:    a host-side int >= every depth (the number of levels the draft expanded), so that tensors sized by the
+               depth need no device-to-host read; computed from `depths` (one sync) when not given.
     """
 
     tokens: torch.LongTensor
@@ -28,11 +30,17 @@ class DraftTree:
     depths: torch.LongTensor
     ancestors: torch.BoolTensor
     scores: torch.Tensor
+    levels: int | None = None
+
+    def __post_init__(self):
+        if self.levels is None:
+            self.levels = int(self.depths.max())
 
     def to_device(self, device) -> "DraftTree":
         if self.tokens.device == torch.device(device):
             return self
-        return DraftTree(*(getattr(self, name).to(device) for name in ("tokens", "parents", "depths", "ancestors", "scores")))
+        names = ("tokens", "parents", "depths", "ancestors", "scores")
+        return DraftTree(*(getattr(self, name).to(device) for name in names), levels=self.levels)
 
     @property
     def num_nodes(self) -> int:
@@ -100,11 +108,12 @@ def flatten_tree(
     scores: torch.Tensor,
     depths: torch.LongTensor,
     total_tokens: int,
+    levels: int | None = None,
 ) -> DraftTree:
     """Keep the root and the `total_tokens` best-scored candidates, breadth-first.
 
     Inputs are in recorded order (root first, then candidates level by level, each parent recorded before its
-    children; `parents[0]` is ignored). A stable descending sort puts every parent before its children even on
+    children; `parents[0]` is ignored). `levels` (>= every depth; the recorder knows it) saves a device sync. A stable descending sort puts every parent before its children even on
     score ties (a child's score is its parent's plus a log-probability <= 0), so any prefix of the sorted order is
     closed under ancestors: the kept set is always a tree.
     """
@@ -117,12 +126,14 @@ def flatten_tree(
     flat_parents = position[parents[nodes]]
     flat_parents[0] = -1
     flat_depths = depths[nodes]
+    levels = int(depths.max()) if levels is None else levels
     return DraftTree(
         tokens=tokens[nodes],
         parents=flat_parents,
         depths=flat_depths,
-        ancestors=ancestor_matrix(flat_parents, int(depths.max())),
+        ancestors=ancestor_matrix(flat_parents, levels),
         scores=scores[nodes],
+        levels=levels,
     )
 
 
@@ -154,7 +165,12 @@ class TreeRecorder:
 
     def flatten(self, total_tokens: int) -> DraftTree:
         return flatten_tree(
-            torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores), torch.cat(self.depths), total_tokens
+            torch.cat(self.tokens),
+            torch.cat(self.parents),
+            torch.cat(self.scores),
+            torch.cat(self.depths),
+            total_tokens,
+            levels=self.num_levels,
         )
 
 
