@@ -18,6 +18,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 
 from . import verification
 from .drafting import JakiroCandidateGenerator, TreeSettings
+from .features import LastHiddenState
 from .kv_cache import keep_accepted, new_target_cache, truncate
 from .logits import check_processors, process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
@@ -202,16 +203,17 @@ def verify_tree(
     """
     past = cache.get_seq_length()
     internal = tree.internal_nodes() if leaf_head is not None else None
-    out = target(
-        input_ids=tree.tokens[None],
-        position_ids=tree.position_ids(past - padding),
-        attention_mask=tree.attention_mask(past, target.dtype, padding),
-        use_cache=True,
-        output_hidden_states=True,
-        **({} if internal is None else {"logits_to_keep": internal}),
-        **{cache_kwarg: cache},
-    )
-    features = out.hidden_states[-1][0]
+    with LastHiddenState(target) as hidden:
+        out = target(
+            input_ids=tree.tokens[None],
+            position_ids=tree.position_ids(past - padding),
+            attention_mask=tree.attention_mask(past, target.dtype, padding),
+            use_cache=True,
+            **hidden.forward_kwargs(),
+            **({} if internal is None else {"logits_to_keep": internal}),
+            **{cache_kwarg: cache},
+        )
+        features = hidden.take(out)[0]
     raw = out.logits[0].float()
     processed = process_tree_logits(processors, sequence, tree, raw, nodes=internal)
     leaf = {}
@@ -311,19 +313,23 @@ def jakiro_decode(
         if positions is None:
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         padded = dict(attention_mask=mask, position_ids=positions.to(target_device))
-    out = target(
-        input_ids=sequence,
-        **padded,
-        use_cache=True,
-        output_hidden_states=True,
-        **({"logits_to_keep": 1} if _forward_accepts(target, "logits_to_keep") else {}),
-        **{cache_kwarg: cache},
-    )
-    raw = out.logits[:, -1].float()
+    with LastHiddenState(target) as hidden:  # only the last layer's states: the prompt may be long
+        out = target(
+            input_ids=sequence,
+            **padded,
+            use_cache=True,
+            **hidden.forward_kwargs(),
+            **({"logits_to_keep": 1} if _forward_accepts(target, "logits_to_keep") else {}),
+            **{cache_kwarg: cache},
+        )
+        features, last_logits = hidden.take(out), out.logits[:, -1]
+    del out  # with the output_hidden_states fallback, every layer's states: freed before the draft's prefill
+    raw = last_logits.float()
     processed = logits_processor(sequence, raw.clone())
     first = verification.target_choices(processed, do_sample)
-    candidates.set_features(out.hidden_states[-1][0, padding:])
-    leaf_head = lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1])
+    candidates.set_features(features[0, padding:])
+    leaf_head = lazy_leaf_head(target, features[:, -1], last_logits)
+    del features
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first, first.tolist(), processed, raw)
 
