@@ -246,6 +246,7 @@ def test_train_head_reduced_vocab_round_trip_tau_and_card(tmp_path, target, toke
     assert d2t == select_draft_vocab(trained_on, 40, 128, always=[2]).tolist()
     # tau was measured by real tree decoding on the 2 held-out prompts, and the card says so
     assert report["metrics"]["tau"] >= 1.0 and len(report["metrics"]["tau per prompt"].split(",")) == 2
+    assert report["metrics"]["papers_tau"] >= report["metrics"]["tau"]  # the prefill round left out
     card = (out / "README.md").read_text()
     assert "acceptance length tau" in card and "steps: 3" in card and str(data_file) in card
     assert json.loads((out / "jakiro_training.json").read_text())["summary"]["steps"] == 3
