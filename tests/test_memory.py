@@ -108,3 +108,17 @@ def test_causal_and_grouped_attention_equal_the_explicit_mask_path(target_and_dr
     reference = run(explicit=True)
     for mine, theirs in zip(fast, reference):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_memory_benchmark_script_runs_on_a_tiny_target(tmp_path):
+    """benchmarks/memory.py end to end at a tiny size, so that it cannot rot (its numbers are in benchmarks/results)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "memory.py"
+    spec = importlib.util.spec_from_file_location("memory_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.main(["--target", "tiny", "--prompt-tokens", "256", "--new-tokens", "4", "--out", str(tmp_path)])
+    assert result["identical_outputs"] and result["plain"]["peak_added_bytes"] > 0
+    assert (tmp_path / "results.json").exists() and "Jakiro / plain" in (tmp_path / "results.md").read_text()
