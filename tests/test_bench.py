@@ -49,8 +49,9 @@ def test_every_method_and_outputs(models, tmp_path):
         if method in bench.TREE_METHODS:
             assert row["tau"] >= 1.0
             assert row["efficiency"] == pytest.approx(row["speedup"] / row["tau"], rel=1e-3)
+            assert row["papers_tau"] is None or row["papers_tau"] >= row["tau"]  # None: every generation 1 token
         else:
-            assert row["tau"] is None and row["efficiency"] is None
+            assert row["tau"] is None and row["efficiency"] is None and row["papers_tau"] is None
         if temperature == 0:
             assert row["match_rate"] is not None
         else:
@@ -68,8 +69,10 @@ def test_every_method_and_outputs(models, tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["results"] == result["results"] and saved["machine"]["command"] == "jakiro bench --test"
     markdown = (tmp_path / "results.md").read_text()
-    assert ("| suite | method | tokens/s | speedup | tau | efficiency | match rate | lookup share | peak memory (MiB) |"
-            in markdown)
+    assert (
+        "| suite | method | tokens/s | speedup | tau | tau (papers) | efficiency | match rate | lookup share | "
+        "peak memory (MiB) |" in markdown
+    )
     assert result["config"]["tree_settings"]["lookup_tokens (jakiro_lookup)"] == bench.LOOKUP_TOKENS
     assert "| overall | prompt_lookup |" in markdown and "n/a" in markdown
     if importlib.util.find_spec("matplotlib"):

@@ -223,6 +223,13 @@ def test_stats_are_consistent(pairs):
     assert all(1 <= n <= draft.config.depth + 2 for n in stats.accepted_lengths)
     assert stats.draft_time_s > 0 and stats.verify_time_s > 0
     assert stats.as_dict()["mean_accepted_length"] == stats.mean_accepted_length
+    # the papers' figure: draft-verify cycles only, the prefill and its token left out
+    assert stats.draft_rounds == stats.rounds - 1
+    assert stats.papers_tau == pytest.approx((stats.new_tokens - 1) / (stats.rounds - 1))
+    assert stats.papers_tau > stats.mean_accepted_length
+    assert stats.as_dict()["papers_tau"] == stats.papers_tau
+    target.generate(prompt, do_sample=False, max_new_tokens=1, assistant_model=draft)  # the prefill only
+    assert draft.last_generation_stats.draft_rounds == 0 and draft.last_generation_stats.papers_tau == 0.0
 
 
 def test_lazy_leaf_logits_match_the_full_logits_path(pairs, monkeypatch):

@@ -140,8 +140,8 @@ def classic_wrong_verify(tree, processed_logits, do_sample, leaf_logits=None):
                 path.append(child)
                 node = child
                 break
-        else:
-            return torch.tensor(path), torch.multinomial(probs(node), 1)[0]
+        else:  # the path padded to one entry per level, as `verification.verify` returns it
+            return torch.tensor(path + [-1] * (tree.levels + 1 - len(path))), torch.multinomial(probs(node), 1)[0]
 
 
 def test_wrong_acceptance_rule_is_detected(target_and_draft, monkeypatch):

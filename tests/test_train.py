@@ -247,6 +247,7 @@ def test_train_head_reduced_vocab_round_trip_tau_and_card(tmp_path, target, toke
     # tau was measured by real tree decoding on the 2 held-out prompts, and the card says so
     assert report["metrics"]["tau"] >= 1.0 and len(report["metrics"]["tau per prompt"].split(",")) == 2
     assert report["metrics"]["acceptance per depth"].startswith("d>=1 ")  # per-depth acceptance in the card
+    assert report["metrics"]["papers_tau"] >= report["metrics"]["tau"]  # the prefill round left out
     card = (out / "README.md").read_text()
     assert "acceptance length tau" in card and "steps: 3" in card and str(data_file) in card
     assert json.loads((out / "jakiro_training.json").read_text())["summary"]["steps"] == 3

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import MinNewTokensLengthLogitsProce
 
 from transformers_jakiro.logits import path_tokens, process_tree_logits
 from transformers_jakiro.tree import DraftTree, ancestor_matrix
-from transformers_jakiro.verification import accept, target_choices, verify
+from transformers_jakiro.verification import accept, path_nodes, target_choices, verify
 
 
 def hand_tree():
@@ -41,28 +41,29 @@ def choices(**at):
 
 def test_longest_matching_path_and_bonus():
     path, bonus = accept(hand_tree(), choices(n0=5, n1=7, n3=9, n5=42))
-    assert path.tolist() == [0, 1, 3, 5] and bonus.item() == 42
+    assert path.tolist() == [0, 1, 3, 5]  # the full depth: no padding and bonus.item() == 42
 
 
 def test_other_branch():
     path, bonus = accept(hand_tree(), choices(n0=6, n2=7, n6=11))
-    assert path.tolist() == [0, 2, 6] and bonus.item() == 11
+    assert path.tolist() == [0, 2, 6, -1]  # fixed size: one entry per level, -1 below the path
+    assert path_nodes(path).tolist() == [0, 2, 6] and bonus.item() == 11
 
 
 def test_nothing_accepted():
     path, bonus = accept(hand_tree(), choices(n0=42))
-    assert path.tolist() == [0] and bonus.item() == 42
+    assert path_nodes(path).tolist() == [0] and bonus.item() == 42
 
 
 def test_a_match_below_a_mismatch_does_not_count():
     # c and e would match, but a (their ancestor) does not: only the root is accepted.
     path, bonus = accept(hand_tree(), choices(n0=99, n1=7, n3=9))
-    assert path.tolist() == [0] and bonus.item() == 99
+    assert path_nodes(path).tolist() == [0] and bonus.item() == 99
 
 
 def test_stop_partway_down():
     path, bonus = accept(hand_tree(), choices(n0=5, n1=8, n4=3))
-    assert path.tolist() == [0, 1, 4] and bonus.item() == 3
+    assert path_nodes(path).tolist() == [0, 1, 4] and bonus.item() == 3
 
 
 def test_target_choices_greedy_and_sampled():
@@ -132,7 +133,8 @@ def test_lazy_leaf_logits_give_the_same_verdict():
         expected = verify(tree, logits, do_sample=False)
         got = verify(tree, logits[internal], do_sample=False, leaf_logits=leaf_logits)
         assert torch.equal(got[0], expected[0]) and got[1].item() == expected[1].item()
-        assert asked == ([int(expected[0][-1])] if int(expected[0][-1]) not in internal.tolist() else [])
+        last = int(path_nodes(expected[0])[-1])
+        assert asked == ([last] if last not in internal.tolist() else [])
 
 
 def test_verify_tree_returns_a_named_round():

@@ -92,7 +92,6 @@ def measure(shape: str, device: str, dtype: torch.dtype, context: int, total_tok
         middle = time.perf_counter()
         verified = verify_tree(target, cache, cache_kwarg, tree, sequence, LogitsProcessorList(), do_sample=False)
         candidates.set_features(verified.features)
-        torch.cat([tree.tokens[verified.path[1:]], verified.bonus[None]]).tolist()
         sync()
         parts["draft"].append(1000 * (middle - start))
         parts["verify"].append(1000 * (time.perf_counter() - middle))

@@ -20,7 +20,9 @@ generation per method runs first. At temperature 0 each output is compared token
 (`match_rate`); at temperature > 0 outputs are samples and are not compared.
 
 Reported per suite and overall (the sum over suites): tokens/s (new tokens / wall seconds of generate), speedup
-(tokens/s over plain's, same run), tau (new tokens per target forward, Jakiro engine only), efficiency (speedup / tau:
+(tokens/s over plain's, same run), tau (new tokens per target forward, the prefill included, Jakiro engine only),
+tau (papers) (new tokens per draft-verify cycle, each generation's prefill and first token left out: the acceptance
+length EAGLE and Jakiro papers report), efficiency (speedup / tau:
 how much of the acceptance length survives the drafting and verification overheads), peak memory (on CUDA,
 `torch.cuda.max_memory_allocated` during that method's generations; on CPU, the process RSS sampled every 5 ms during
 them, which includes the loaded models) and match rate. Files in `--out`: `results.json` (with machine info and the
@@ -266,6 +268,10 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
                 # at least d draft tokens, d = 1.. the deepest acceptance seen
                 acceptance_at_depth=[round(x, 4) for x in acceptance_profile(
                     [s["accepted_lengths"] for s in mine], levels)["survival"]] if method in TREE_METHODS else None,
+                # the papers' acceptance length: each generation's prefill round and its one token left out
+                papers_tau=(tokens - len(mine)) / (rounds - len(mine))
+                if method in TREE_METHODS and rounds > len(mine)
+                else None,
                 match_rate=sum(s["matches_baseline"] for s in mine) / len(mine) if temperature == 0 and mine else None,
                 peak_memory_mb=round(max((s["peak_memory_mb"] for s in mine), default=0.0), 1),
             )
@@ -274,7 +280,7 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
             row["speedup"] = row["tokens_per_s"] / base if base else None
             row["efficiency"] = row["speedup"] / row["tau"] if row["speedup"] is not None and row["tau"] else None
             row["tokens_per_s"] = round(row["tokens_per_s"], 3)
-            for key in ("speedup", "tau", "efficiency", "match_rate", "lookup_share"):
+            for key in ("speedup", "tau", "papers_tau", "efficiency", "match_rate", "lookup_share"):
                 if row[key] is not None:
                     row[key] = round(row[key], 4)
             rows.append(row)
@@ -338,7 +344,9 @@ def _median_time(fn, repeats: int, device) -> float:
 def _prefix_tree(tree: DraftTree, n: int) -> DraftTree:
     """The first n + 1 nodes (root included) of a breadth-first tree: a tree again (parents precede children)."""
     m = min(n + 1, tree.num_nodes)
-    return DraftTree(tree.tokens[:m], tree.parents[:m], tree.depths[:m], tree.ancestors[:m, :m], tree.scores[:m])
+    return DraftTree(
+        tree.tokens[:m], tree.parents[:m], tree.depths[:m], tree.ancestors[:m, :m], tree.scores[:m], levels=tree.levels
+    )
 
 
 @torch.no_grad()
@@ -700,15 +708,16 @@ def markdown_table(result: dict) -> str:
         lines.append(f"- tree settings: {config['tree_settings']}")
     for temperature in config["temperatures"]:
         lines += ["", f"## Temperature {temperature:g}", "",
-                  "| suite | method | tokens/s | speedup | tau | efficiency | match rate | lookup share | peak memory (MiB) |",
+                  "| suite | method | tokens/s | speedup | tau | tau (papers) | efficiency | match rate | lookup share | "
+                  "peak memory (MiB) |",
                   "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for row in result["results"]:
             if row["temperature"] != temperature:
                 continue
             lines.append(
                 f"| {row['suite']} | {row['method']} | {row['tokens_per_s']:.2f} | {_fmt(row['speedup'], 2, 'x')} | "
-                f"{_fmt(row['tau'])} | {_fmt(row['efficiency'])} | {_fmt(row['match_rate'])} | "
-                f"{_fmt(row.get('lookup_share'))} | {row['peak_memory_mb']:.0f} |"
+                f"{_fmt(row['tau'])} | {_fmt(row.get('papers_tau'))} | {_fmt(row['efficiency'])} | "
+                f"{_fmt(row['match_rate'])} | {_fmt(row.get('lookup_share'))} | {row['peak_memory_mb']:.0f} |"
             )
         depth_rows = [r for r in result["results"] if r["temperature"] == temperature and r.get("acceptance_at_depth")]
         if depth_rows:
@@ -794,6 +803,8 @@ def head_metrics(result: dict) -> dict:
             suite += f" with n-gram lookup ({settings.get('lookup_tokens (jakiro_lookup)')} tokens)"
         text = (f"{row['tokens_per_s']:.2f} tok/s, {_fmt(row['speedup'], 2, 'x')} over plain generate, "
                 f"tau {_fmt(row['tau'])}")
+        if row.get("papers_tau") is not None:
+            text += f" (papers' tau {_fmt(row['papers_tau'])})"
         if row["match_rate"] is not None:
             text += f", outputs identical to plain on {row['match_rate']:.0%} of generations"
         if row.get("acceptance_at_depth"):

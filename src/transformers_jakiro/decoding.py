@@ -18,6 +18,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 
 from . import verification
 from .drafting import JakiroCandidateGenerator, TreeSettings
+from .features import LastHiddenState
 from .kv_cache import keep_accepted, new_target_cache, truncate
 from .logits import check_processors, process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
@@ -27,10 +28,14 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 @dataclass
 class JakiroGenerationStats:
-    """What the last `generate` call did. A round is one target forward (the prefill counts as the first round,
-    accepting one token); `accepted_lengths[i]` is how many tokens round i added, bonus token included, so
-    `new_tokens == sum(accepted_lengths)` and `mean_accepted_length` (tau) `== new_tokens / rounds`.
-    Times are host wall-clock seconds."""
+    """What the last `generate` call did. A round is one target forward, and the prefill counts as the first round,
+    accepting one token; `accepted_lengths[i]` is how many tokens round i added, bonus token included, so
+    `new_tokens == sum(accepted_lengths)` and `mean_accepted_length` (tau) `== new_tokens / rounds`: tokens per target
+    forward, what decides the speedup of this run.
+
+    Papers (EAGLE, Jakiro) count only draft-verify cycles: `papers_tau` leaves out the prefill and its token,
+    `sum(accepted_lengths[1:]) / draft_rounds`, and is the figure to compare with published acceptance lengths (it is
+    higher, and the gap shrinks as generations get longer). Times are host wall-clock seconds."""
 
     new_tokens: int = 0
     rounds: int = 0
@@ -45,13 +50,28 @@ class JakiroGenerationStats:
     def mean_accepted_length(self) -> float:
         return self.new_tokens / self.rounds if self.rounds else 0.0
 
+    @property
+    def draft_rounds(self) -> int:
+        """Draft-verify cycles: every round but the prefill."""
+        return max(self.rounds - 1, 0)
+
+    @property
+    def papers_tau(self) -> float:
+        """Tokens per draft-verify cycle, bonus token included, prefill excluded (the papers' acceptance length)."""
+        return sum(self.accepted_lengths[1:]) / self.draft_rounds if self.draft_rounds else 0.0
+
     def record(self, accepted: int) -> None:
         self.rounds += 1
         self.new_tokens += accepted
         self.accepted_lengths.append(accepted)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "mean_accepted_length": self.mean_accepted_length}
+        return {
+            **asdict(self),
+            "mean_accepted_length": self.mean_accepted_length,
+            "draft_rounds": self.draft_rounds,
+            "papers_tau": self.papers_tau,
+        }
 
 
 def _forward_accepts(model, name: str) -> bool:
@@ -174,16 +194,23 @@ class VerifiedRound:
 
     path:      [m] node indices of the accepted path, root (node 0) first.
     bonus:     [] the target's own token after the path's last node.
+    tokens:    [m] the round's new tokens: the accepted draft tokens below the root, then the bonus token.
+    token_ids: the same m tokens on the host (read in the round's one device-to-host copy).
     processed: [m, vocab] processed logits at the path's nodes: the scores of the round's m new tokens.
     raw:       [m, vocab] raw (float32) logits at the same nodes.
     features:  [m, hidden] the target's last hidden states at the same nodes (the draft reads them next round).
+    lookup_accepted: accepted nodes that only the n-gram lookup proposed (read in the same copy); None when the tree
+               had no lookup nodes.
     """
 
     path: torch.LongTensor
     bonus: torch.LongTensor
+    tokens: torch.LongTensor
+    token_ids: list[int]
     processed: torch.Tensor
     raw: torch.Tensor
     features: torch.Tensor
+    lookup_accepted: int | None = None
 
 
 def verify_tree(
@@ -193,28 +220,26 @@ def verify_tree(
     depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
     cache positions hold the prompt's left padding: hidden from the tree, and not counted in its positions.
 
-    Returns a `VerifiedRound`. `sequence` ([1, length], ending with the root token) is what the logits processors see as the prefix.
-    `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at most one leaf after.
+    Returns a `VerifiedRound`. `sequence` ([1, length], ending with the root token) is what the logits processors
+    see as the prefix. `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at
+    most one leaf after. Host syncs: one copy of the path and its tokens, plus one in `process_tree_logits` when a
+    processor depends on the prefix (and, on the lazy-leaf path, the index of internal nodes and the leaf check).
     """
     past = cache.get_seq_length()
     internal = tree.internal_nodes() if leaf_head is not None else None
-    out = target(
-        input_ids=tree.tokens[None],
-        position_ids=tree.position_ids(past - padding),
-        attention_mask=tree.attention_mask(past, target.dtype, padding),
-        use_cache=True,
-        output_hidden_states=True,
-        **({} if internal is None else {"logits_to_keep": internal}),
-        **{cache_kwarg: cache},
-    )
-    features = out.hidden_states[-1][0]
+    with LastHiddenState(target) as hidden:
+        out = target(
+            input_ids=tree.tokens[None],
+            position_ids=tree.position_ids(past - padding),
+            attention_mask=tree.attention_mask(past, target.dtype, padding),
+            use_cache=True,
+            **hidden.forward_kwargs(),
+            **({} if internal is None else {"logits_to_keep": internal}),
+            **{cache_kwarg: cache},
+        )
+        features = hidden.take(out)[0]
     raw = out.logits[0].float()
     processed = process_tree_logits(processors, sequence, tree, raw, nodes=internal)
-    if internal is None:
-        path, bonus = verification.verify(tree, processed, do_sample)
-        keep_accepted(cache, past, path)
-        return VerifiedRound(path, bonus, processed[path], raw[path], features[path])
-
     leaf = {}
 
     def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
@@ -222,8 +247,25 @@ def verify_tree(
         leaf["processed"] = process_tree_logits(processors, sequence, tree, leaf["raw"], nodes=node[None])
         return leaf["processed"][0]
 
-    path, bonus = verification.verify(tree, processed, do_sample, leaf_logits)
+    padded_path, bonus = verification.verify(tree, processed, do_sample, None if internal is None else leaf_logits)
+    # The round's one device-to-host copy: the padded path (its length) with the tokens along it and the bonus.
+    padded_tokens = tree.tokens[padded_path.clamp(min=0)]
+    fetch = [padded_path, padded_tokens, bonus[None]]
+    if tree.from_lookup is not None:  # how many accepted nodes only the n-gram lookup proposed
+        fetch.append((tree.from_lookup[padded_path.clamp(min=0)] & (padded_path >= 0)).sum()[None])
+    host = torch.cat(fetch).tolist()
+    lookup_accepted = host.pop() if tree.from_lookup is not None else None
+    width = padded_path.numel()
+    m = sum(node >= 0 for node in host[:width])
+    path = padded_path[:m]
+    token_ids = host[width + 1 : width + m] + host[-1:]
+    tokens = torch.cat([padded_tokens[1:m], bonus[None]])
     keep_accepted(cache, past, path)
+    if internal is None:
+        return VerifiedRound(
+            path, bonus, tokens, token_ids, processed[path], raw[path], features[path], lookup_accepted
+        )
+
     row = torch.full_like(tree.tokens, -1)
     row[internal] = torch.arange(internal.numel(), device=internal.device)
     if leaf:  # every node of the path but the last is internal
@@ -231,7 +273,7 @@ def verify_tree(
         processed, raw = torch.cat([processed[rows], leaf["processed"]]), torch.cat([raw[rows], leaf["raw"]])
     else:
         processed, raw = processed[row[path]], raw[row[path]]
-    return VerifiedRound(path, bonus, processed, raw, features[path])
+    return VerifiedRound(path, bonus, tokens, token_ids, processed, raw, features[path], lookup_accepted)
 
 
 @torch.no_grad()
@@ -270,22 +312,27 @@ def jakiro_decode(
     cache_kwarg = _cache_kwarg(target)
     candidates = JakiroCandidateGenerator(draft, settings)
 
-    def emit(new_tokens: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
-        """Append tokens one at a time, checking the stopping criteria after each; True when generation ends."""
+    def emit(tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
+        """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends.
+
+        Plain decoding checks the stopping criteria after every token, and an EOS or a stop string may sit inside an
+        accepted path, so every prefix is checked; the m verdicts are read on the host together (one sync), and the
+        round is cut after the first token that stops."""
         nonlocal sequence
-        for i, token in enumerate(new_tokens):
-            sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)
-            if keep_scores:
-                scores.append(processed[i : i + 1])
-            if keep_logits:
-                raw_logits.append(raw[i : i + 1])
-            if streamer is not None:
-                streamer.put(torch.tensor([token]))
-            if bool(stopping_criteria(sequence, processed[i : i + 1]).any()):
-                stats.record(i + 1)
-                return True
-        stats.record(len(new_tokens))
-        return False
+        start = sequence.shape[1]
+        sequence = torch.cat([sequence, tokens[None].to(sequence.device)], dim=1)
+        verdicts = [stopping_criteria(sequence[:, : start + i + 1], processed[i : i + 1]).any() for i in range(len(token_ids))]
+        stops = torch.stack(verdicts).tolist()
+        count = stops.index(True) + 1 if True in stops else len(token_ids)
+        sequence = sequence[:, : start + count]
+        if keep_scores:
+            scores.extend(processed[i : i + 1] for i in range(count))
+        if keep_logits:
+            raw_logits.extend(raw[i : i + 1] for i in range(count))
+        if streamer is not None:
+            streamer.put(torch.tensor(token_ids[:count]))
+        stats.record(count)
+        return True in stops
 
     # Prefill: the prompt through the target, the first token from its last position.
     tic = time.perf_counter()
@@ -296,23 +343,27 @@ def jakiro_decode(
         if positions is None:
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         padded = dict(attention_mask=mask, position_ids=positions.to(target_device))
-    out = target(
-        input_ids=sequence,
-        **padded,
-        use_cache=True,
-        output_hidden_states=True,
-        **({"logits_to_keep": 1} if _forward_accepts(target, "logits_to_keep") else {}),
-        **{cache_kwarg: cache},
-    )
-    raw = out.logits[:, -1].float()
+    with LastHiddenState(target) as hidden:  # only the last layer's states: the prompt may be long
+        out = target(
+            input_ids=sequence,
+            **padded,
+            use_cache=True,
+            **hidden.forward_kwargs(),
+            **({"logits_to_keep": 1} if _forward_accepts(target, "logits_to_keep") else {}),
+            **{cache_kwarg: cache},
+        )
+        features, last_logits = hidden.take(out), out.logits[:, -1]
+    del out  # with the output_hidden_states fallback, every layer's states: freed before the draft's prefill
+    raw = last_logits.float()
     processed = logits_processor(sequence, raw.clone())
     first = verification.target_choices(processed, do_sample)
-    candidates.set_features(out.hidden_states[-1][0, padding:])
+    candidates.set_features(features[0, padding:])
     if candidates.lookup is not None:  # the prompt and the first token, once; later rounds add their own tokens
         candidates.extend_context(torch.cat([sequence[0, padding:], first.to(sequence.device)]).tolist())
-    leaf_head = lazy_leaf_head(target, out.hidden_states[-1][:, -1], out.logits[:, -1])
+    leaf_head = lazy_leaf_head(target, features[:, -1], last_logits)
+    del features
     stats.verify_time_s += time.perf_counter() - tic
-    finished = emit(first.tolist(), processed, raw)
+    finished = emit(first, first.tolist(), processed, raw)
 
     while not finished:
         tic = time.perf_counter()
@@ -322,18 +373,12 @@ def jakiro_decode(
         tic = time.perf_counter()
         verified = verify_tree(target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding)
         candidates.set_features(verified.features)
-        fetch = [tree.tokens[verified.path[1:]], verified.bonus[None]]
-        if tree.from_lookup is not None:  # how many accepted tokens only the lookup proposed, in the same copy
-            fetch.append(tree.from_lookup[verified.path].sum()[None])
-        new_tokens = torch.cat(fetch).tolist()
-        lookup_accepted = None
-        if tree.from_lookup is not None:
-            lookup_accepted = new_tokens.pop()
-            stats.lookup_rounds += 1
-            stats.lookup_accepted += lookup_accepted
         stats.verify_time_s += time.perf_counter() - tic
-        finished = emit(new_tokens, verified.processed, verified.raw)
-        candidates.extend_context(new_tokens, lookup_accepted)
+        finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw)
+        if verified.lookup_accepted is not None:
+            stats.lookup_rounds += 1
+            stats.lookup_accepted += verified.lookup_accepted
+        candidates.extend_context(verified.token_ids, verified.lookup_accepted)
 
     truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
     if streamer is not None:

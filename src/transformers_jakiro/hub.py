@@ -21,6 +21,7 @@ TAGS = ["speculative-decoding", "jakiro", "eagle"]
 _METRIC_LABELS = {
     "tau": ("acceptance length tau (tokens per target forward)", ""),
     "acceptance_length": ("acceptance length tau (tokens per target forward)", ""),
+    "papers_tau": ("acceptance length per draft-verify cycle, prefill excluded (as papers report it)", ""),
     "speedup": ("speedup over plain decoding", "x"),
 }
 

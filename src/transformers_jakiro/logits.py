@@ -64,13 +64,14 @@ def check_processors(processors: LogitsProcessorList) -> None:
 
 
 def path_tokens(tree: DraftTree) -> torch.LongTensor:
-    """[n, max_depth + 1]: row i holds the tokens from the root to node i (entries past its depth are padding)."""
-    width = int(tree.depths.max()) + 1
-    out = tree.tokens.new_zeros(tree.num_nodes, width)
-    depth_of_each = tree.depths[None, :].expand(tree.num_nodes, -1)
-    rows, cols = torch.nonzero(tree.ancestors, as_tuple=True)
-    out[rows, depth_of_each[rows, cols]] = tree.tokens[cols]
-    return out
+    """[n, tree.levels + 1]: row i holds the tokens from the root to node i (entries past its depth are 0).
+
+    Built without a host sync: row i scatters every node's token to that node's depth, non-ancestors as 0; one
+    ancestor per depth, and token ids are >= 0, so the maximum per depth is the ancestor's token."""
+    n = tree.num_nodes
+    tokens_of_ancestors = torch.where(tree.ancestors, tree.tokens[None, :], 0)
+    out = tree.tokens.new_zeros(n, tree.levels + 1)
+    return out.scatter_reduce(1, tree.depths[None, :].expand(n, -1), tokens_of_ancestors, reduce="amax")
 
 
 def process_tree_logits(
@@ -91,13 +92,21 @@ def process_tree_logits(
         return processors(input_ids.expand(logits.shape[0], -1), logits.clone())  # processors may work in place
     if nodes is None:
         nodes = torch.arange(tree.num_nodes, device=logits.device)
-    tokens = path_tokens(tree)[nodes]
+    # Rows sorted by depth (already so in a breadth-first tree), so that each depth is one contiguous slice; how many
+    # rows each depth has is the one thing read on the host.
     depths = tree.depths[nodes]
+    order = torch.argsort(depths, stable=True)
+    tokens = path_tokens(tree)[nodes[order]]
+    counts = torch.bincount(depths, minlength=tree.levels + 1).tolist()
     out = torch.empty_like(logits)
-    for depth in sorted(set(depths.tolist())):
-        rows = torch.nonzero(depths == depth).flatten()
-        prefix = torch.cat([input_ids.expand(rows.numel(), -1), tokens[rows, 1 : depth + 1]], dim=1)
-        out[rows] = processors(prefix, logits[rows])
+    start = 0
+    for depth, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = order[start : start + count]
+        prefix = torch.cat([input_ids.expand(count, -1), tokens[start : start + count, 1 : depth + 1]], dim=1)
+        out[rows] = processors(prefix, logits[rows])  # an index copy: processors may work in place
+        start += count
     return out
 
 

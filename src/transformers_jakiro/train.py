@@ -412,7 +412,8 @@ class JakiroTrainer(Trainer):
 # -- evaluation -------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate_tau(target, tokenizer, draft, prompts: list[tuple[str, str]], max_new_tokens: int = 64) -> dict:
-    """Acceptance length tau by real tree decoding (greedy): overall (new tokens / target forwards) and per prompt."""
+    """Acceptance length tau by real tree decoding (greedy): overall (new tokens / target forwards, prefill included)
+    and per prompt, plus `papers_tau` (tokens per draft-verify cycle, prefill excluded: the papers' figure)."""
     device = target.get_input_embeddings().weight.device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = []
@@ -426,12 +427,17 @@ def evaluate_tau(target, tokenizer, draft, prompts: list[tuple[str, str]], max_n
             dict(id=pid, tau=round(stats.mean_accepted_length, 3), new_tokens=stats.new_tokens, rounds=stats.rounds,
                  accepted_lengths=list(stats.accepted_lengths))
         )
-    rounds = sum(r["rounds"] for r in rows)
+    rounds, tokens = sum(r["rounds"] for r in rows), sum(r["new_tokens"] for r in rows)
+    cycles = rounds - len(rows)  # draft-verify cycles: the papers' tau leaves each prefill and its token out
     settings = TreeSettings.resolve(draft)
     levels = settings.depth + (1 if settings.contrastive else 0)
     profile = acceptance_profile([r.pop("accepted_lengths") for r in rows], levels)
-    return {"tau": sum(r["new_tokens"] for r in rows) / rounds if rounds else 0.0, "per_prompt": rows,
-            "acceptance_at_depth": profile["survival"]}
+    return {
+        "tau": tokens / rounds if rounds else 0.0,
+        "papers_tau": (tokens - len(rows)) / cycles if cycles > 0 else 0.0,
+        "per_prompt": rows,
+        "acceptance_at_depth": profile["survival"],
+    }
 
 
 # -- the whole run ----------------------------------------------------------------------------------------------------
@@ -614,12 +620,13 @@ def _finish(
         c = draft.config
         metrics = {
             "tau": round(result["tau"], 3),
+            "papers_tau": round(result["papers_tau"], 3),
             "tau per prompt": ", ".join(f"{r['tau']:.2f}" for r in result["per_prompt"]),
             "acceptance per depth": format_acceptance(result["acceptance_at_depth"]),
             "evaluation": f"{len(eval_prompts)} held-out prompts, greedy, max_new_tokens={eval_max_new_tokens}, "
             f"tree total_tokens={c.total_tokens} depth={c.depth} top_k={c.top_k}",
         }
-        print(f"tau = {result['tau']:.3f} (per prompt: {metrics['tau per prompt']})")
+        print(f"tau = {result['tau']:.3f}, papers' tau = {result['papers_tau']:.3f} (per prompt: {metrics['tau per prompt']})")
         print(f"share of draft rounds accepting at least d tokens: {metrics['acceptance per depth']}")
     world = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
     summary = {

@@ -21,6 +21,8 @@ class DraftTree:
     depths:    [n] 0 for the root, 1 for its children, ...
     ancestors: [n, n] bool, ancestors[i, j] is True when j is i itself or an ancestor of i.
     scores:    [n] cumulative draft log-probabilities (0 for the root and for lookup nodes).
+    levels:    a host-side int >= every depth (the number of levels the draft expanded), so that tensors sized by the
+               depth need no device-to-host read; computed from `depths` (one sync) when not given.
     from_lookup: [n] bool, True for nodes that only n-gram lookup proposed (`graft_chains`); None: no lookup nodes.
     """
 
@@ -29,13 +31,19 @@ class DraftTree:
     depths: torch.LongTensor
     ancestors: torch.BoolTensor
     scores: torch.Tensor
+    levels: int | None = None
     from_lookup: torch.BoolTensor | None = None
+
+    def __post_init__(self):
+        if self.levels is None:
+            self.levels = int(self.depths.max())
 
     def to_device(self, device) -> "DraftTree":
         if self.tokens.device == torch.device(device):
             return self
-        names = ("tokens", "parents", "depths", "ancestors", "scores", "from_lookup")
-        return DraftTree(*(None if getattr(self, n) is None else getattr(self, n).to(device) for n in names))
+        names = ("tokens", "parents", "depths", "ancestors", "scores")
+        lookup = None if self.from_lookup is None else self.from_lookup.to(device)
+        return DraftTree(*(getattr(self, name).to(device) for name in names), levels=self.levels, from_lookup=lookup)
 
     @property
     def num_nodes(self) -> int:
@@ -103,11 +111,12 @@ def flatten_tree(
     scores: torch.Tensor,
     depths: torch.LongTensor,
     total_tokens: int,
+    levels: int | None = None,
 ) -> DraftTree:
     """Keep the root and the `total_tokens` best-scored candidates, breadth-first.
 
     Inputs are in recorded order (root first, then candidates level by level, each parent recorded before its
-    children; `parents[0]` is ignored). A stable descending sort puts every parent before its children even on
+    children; `parents[0]` is ignored). `levels` (>= every depth; the recorder knows it) saves a device sync. A stable descending sort puts every parent before its children even on
     score ties (a child's score is its parent's plus a log-probability <= 0), so any prefix of the sorted order is
     closed under ancestors: the kept set is always a tree.
     """
@@ -120,12 +129,14 @@ def flatten_tree(
     flat_parents = position[parents[nodes]]
     flat_parents[0] = -1
     flat_depths = depths[nodes]
+    levels = int(depths.max()) if levels is None else levels
     return DraftTree(
         tokens=tokens[nodes],
         parents=flat_parents,
         depths=flat_depths,
-        ancestors=ancestor_matrix(flat_parents, int(depths.max())),
+        ancestors=ancestor_matrix(flat_parents, levels),
         scores=scores[nodes],
+        levels=levels,
     )
 
 
@@ -173,6 +184,7 @@ def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
         depths=torch.tensor(depths, device=device)[index],
         ancestors=ancestor_matrix(flat_parents, max(depths)),
         scores=scores[index],
+        levels=max(tree.levels, max(depths)),
         from_lookup=from_lookup,
     )
 
@@ -205,7 +217,12 @@ class TreeRecorder:
 
     def flatten(self, total_tokens: int) -> DraftTree:
         return flatten_tree(
-            torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores), torch.cat(self.depths), total_tokens
+            torch.cat(self.tokens),
+            torch.cat(self.parents),
+            torch.cat(self.scores),
+            torch.cat(self.depths),
+            total_tokens,
+            levels=self.num_levels,
         )
 
 

@@ -32,17 +32,26 @@ def target_choices(processed_logits: torch.Tensor, do_sample: bool) -> torch.Lon
 def accept(tree: DraftTree, choices: torch.LongTensor) -> tuple[torch.LongTensor, torch.LongTensor]:
     """The accepted path and the bonus token.
 
-    Returns (path, bonus): `path` holds the node indices from the root to the deepest node whose every ancestor's
-    token equals the target's choice at its parent (root included, so path[0] == 0); `bonus` is the target's choice
-    at the last node of the path. Among the children of one node tokens are distinct, so at most one child matches
-    and the accepted nodes form a single chain. No host sync happens here.
+    Returns (path, bonus): `path` [tree.levels + 1] holds the node at each depth on the way from the root to the
+    deepest node whose every ancestor's token equals the target's choice at its parent (so path[0] == 0), then -1
+    below it; `bonus` is the target's choice at the last node of the path. Among the children of one node tokens are
+    distinct, so at most one child matches and the accepted nodes form a single chain. The path has a fixed size, so
+    no host sync happens here: the caller reads its length together with whatever else it needs on the host.
     """
     matches = torch.ones_like(tree.tokens, dtype=torch.bool)
     matches[1:] = tree.tokens[1:] == choices[tree.parents[1:]]
     accepted = ~(tree.ancestors & ~matches[None, :]).any(dim=1)  # every node on the way down matched
     deepest = torch.argmax(torch.where(accepted, tree.depths, -1))
-    path = torch.nonzero(tree.ancestors[deepest]).flatten()
+    on_path = torch.where(tree.ancestors[deepest], torch.arange(tree.num_nodes, device=tree.tokens.device), -1)
+    # one ancestor per depth: the maximum over a depth's nodes picks it out of the -1s of the others
+    path = torch.full((tree.levels + 1,), -1, dtype=torch.long, device=tree.tokens.device)
+    path = path.scatter_reduce(0, tree.depths, on_path, reduce="amax")
     return path, choices[deepest]
+
+
+def path_nodes(path: torch.LongTensor) -> torch.LongTensor:
+    """The accepted node indices of a padded `path` (one host sync; tests and tools, not the decoding loop)."""
+    return path[: int((path >= 0).sum())]
 
 
 def verify(
@@ -51,7 +60,7 @@ def verify(
     do_sample: bool,
     leaf_logits: Callable[[torch.LongTensor], torch.Tensor] | None = None,
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """One round's verdict from the target's processed logits: (accepted path, bonus token).
+    """One round's verdict from the target's processed logits: (accepted path, padded as in `accept`; bonus token).
 
     `processed_logits` holds a row for every node; or, when `leaf_logits` is given, rows for `tree.internal_nodes()`
     only, and `leaf_logits(node)` returns the processed logits [vocab] of a leaf. Only internal nodes' choices decide
@@ -64,9 +73,9 @@ def verify(
     choices = torch.full_like(tree.tokens, -1)
     choices[tree.internal_nodes()] = target_choices(processed_logits, do_sample)
     path, bonus = accept(tree, choices)
-    if int(bonus) < 0:  # the path ends at a leaf
-        bonus = target_choices(leaf_logits(path[-1])[None], do_sample)[0]
+    if int(bonus) < 0:  # the path ends at a leaf: its deepest node, the largest index (parents precede children)
+        bonus = target_choices(leaf_logits(path.max())[None], do_sample)[0]
     return path, bonus
 
 
-__all__ = ["accept", "target_choices", "verify"]
+__all__ = ["accept", "path_nodes", "target_choices", "verify"]
