@@ -120,3 +120,16 @@ def test_syncs_per_round_with_prefix_dependent_processors(pair, monkeypatch):
     per_round = count_round_syncs(*pair, monkeypatch, repetition_penalty=1.2, min_new_tokens=40)
     print("syncs per round:", per_round)
     assert max(per_round) <= ROUND_LIMIT_WITH_PREFIX_PROCESSORS
+
+
+def test_syncs_per_round_with_ngram_lookup(pair, monkeypatch):
+    """Lookup costs at most one more: the index is fed from the tokens each round already copies to the host, and
+    grafting reads the draft tree's tokens and parents in one copy in rounds that found a chain."""
+    from transformers_jakiro import tree_settings
+
+    target, draft = pair
+    with tree_settings(draft, lookup_tokens=10):
+        per_round = count_round_syncs(target, draft, monkeypatch)
+    print("syncs per round:", per_round, "lookup rounds:", draft.last_generation_stats.lookup_rounds)
+    assert draft.last_generation_stats.lookup_rounds > 0
+    assert max(per_round) <= ROUND_LIMIT + 1

@@ -153,8 +153,7 @@ def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
     if not chains:
         return tree
     device = tree.tokens.device
-    tokens, parents = torch.stack([tree.tokens, tree.parents]).tolist()
-    depths = tree.depths.tolist()
+    tokens, parents, depths = torch.stack([tree.tokens, tree.parents, tree.depths]).tolist()
     child_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens)) if node > 0}
     old = len(tokens)
     for chain in chains:
