@@ -279,3 +279,27 @@ def test_chain_length_adapts_to_what_was_accepted():
     first_whole = lengths.index(11)
     assert lengths[first_whole - 2 : first_whole + 1] == [4, 8, 11]
     assert 2 in lengths[2 : first_whole - 2]
+
+
+def test_rounds_after_a_whole_chain_skip_the_draft(monkeypatch):
+    """While the text copies an earlier passage the draft is not run; it catches up on the accepted features later."""
+    target = cycle_target(CYCLE)
+    draft = JakiroDraftModel.from_target(target)
+    prompt = torch.tensor([[3, 4, 5, 6, 30, 31, 32, 33, 34, 35, 36, 37, 40, 3, 4, 5]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=60)
+    reads = []
+    forward = draft.forward
+
+    def counted(*args, **kwargs):
+        reads.append(kwargs["hidden_states"].shape[1])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(draft, "forward", counted)
+    with tree_settings(draft, total_tokens=4, depth=1, top_k=2, lookup_tokens=10):
+        got = target.generate(prompt, do_sample=False, max_new_tokens=60, assistant_model=draft)
+    assert torch.equal(got, expected)
+    stats = draft.last_generation_stats
+    draft_rounds = stats.rounds - 1  # depth 1: one draft forward per drafted round
+    assert len(reads) < draft_rounds - 3  # several rounds verified lookup chains alone
+    # the draft read the prompt, then only the positions of the rounds it drafted: the copied ones wait for it
+    assert reads[0] == prompt.shape[1] and sum(reads) < prompt.shape[1] + stats.new_tokens - 20

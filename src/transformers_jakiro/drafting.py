@@ -80,6 +80,8 @@ class JakiroCandidateGenerator:
         self.top_k = min(settings.top_k, vocab)
         self.lookup = NgramIndex(settings.lookup_max_ngram) if settings.lookup_tokens > 0 else None
         self.lookup_length = settings.lookup_tokens  # adapted per round, see extend_context
+        self.chain_was_whole = False  # the last round with lookup nodes accepted every one of them
+        self._proposed = 0  # the longest chain of the last round that had lookup nodes
 
     def extend_context(self, tokens: list[int], lookup_accepted: int | None = None) -> None:
         """Host copies of the accepted tokens (prompt first, then each round's), for the n-gram lookup.
@@ -87,15 +89,20 @@ class JakiroCandidateGenerator:
         `lookup_accepted`: after a round whose tree carried lookup nodes, how many of them were accepted (a). The next
         chain is 2a + 1 tokens long, at most `lookup_tokens`: chains that keep being accepted stay long, and in text
         that does not repeat itself (where a wrong chain only costs verification) a single-token probe is all that is
-        verified until a chain is accepted again."""
+        verified until a chain is accepted again. A chain accepted whole makes the next round lookup-only (see
+        `get_candidates`)."""
         if self.lookup is None:
             return
         self.lookup.extend(tokens)
         if lookup_accepted is not None:
             self.lookup_length = min(self.settings.lookup_tokens, 2 * lookup_accepted + 1)
+            self.chain_was_whole = lookup_accepted >= self._proposed
 
     def set_features(self, features: torch.Tensor) -> None:
-        """[m, hidden]: target hidden states of the positions accepted since the last round."""
+        """[m, hidden]: target hidden states of the positions accepted since the last round; after a lookup-only
+        round they join the ones the draft has not read yet."""
+        if self.pending_features is not None:
+            features = torch.cat([self.pending_features, features])
         self.pending_features = features
 
     def _draft_level(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor]:
@@ -106,12 +113,21 @@ class JakiroCandidateGenerator:
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor) -> DraftTree:
-        """Expand a tree rooted at `input_ids[0, -1]` (the last accepted token); `input_ids` is [1, length]."""
+        """Expand a tree rooted at `input_ids[0, -1]` (the last accepted token); `input_ids` is [1, length].
+
+        Lookup-only rounds: while the text copies an earlier passage (the last chain was accepted whole), the next
+        chain is verified alone, without draft nodes and without a draft forward, as in prompt lookup decoding; the
+        accepted tokens' features wait in `pending_features` and the draft reads them all in its next round."""
         draft, k, settings = self.draft, self.top_k, self.settings
         device = draft.fc.weight.device
         input_ids = input_ids.to(device)
+        chains = self.lookup.chains(self.lookup_length, settings.lookup_chains) if self.lookup is not None else []
+        if chains:
+            self._proposed = max(len(chain) for chain in chains)
+        if chains and self.chain_was_whole:
+            return graft_chains(DraftTree.root_only(input_ids[0, -1]), chains)
         past = self.cache.get_seq_length()
-        features = self.pending_features
+        features, self.pending_features = self.pending_features, None
         next_tokens = input_ids[:, past + 1 : past + 1 + features.shape[0]]
         out = draft(input_ids=next_tokens, hidden_states=features[None], cache=self.cache, features_to_keep=1)
         stable = past + features.shape[0]  # the root token was read at draft position stable - 1
@@ -156,10 +172,7 @@ class JakiroCandidateGenerator:
                 depth=settings.depth + 1,
             )
         truncate(self.cache, stable)
-        tree = recorder.flatten(settings.total_tokens)
-        if self.lookup is not None:
-            tree = graft_chains(tree, self.lookup.chains(self.lookup_length, settings.lookup_chains))
-        return tree
+        return graft_chains(recorder.flatten(settings.total_tokens), chains)
 
 
 

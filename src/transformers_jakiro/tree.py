@@ -45,6 +45,19 @@ class DraftTree:
         lookup = None if self.from_lookup is None else self.from_lookup.to(device)
         return DraftTree(*(getattr(self, name).to(device) for name in names), levels=self.levels, from_lookup=lookup)
 
+    @classmethod
+    def root_only(cls, root_token: torch.LongTensor) -> "DraftTree":
+        """The tree of the root alone (the last accepted token), for rounds that verify lookup chains only."""
+        device = root_token.device
+        return cls(
+            tokens=root_token.reshape(1),
+            parents=torch.full((1,), -1, dtype=torch.long, device=device),
+            depths=torch.zeros(1, dtype=torch.long, device=device),
+            ancestors=torch.ones(1, 1, dtype=torch.bool, device=device),
+            scores=torch.zeros(1, device=device),
+            levels=0,
+        )
+
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[0]
