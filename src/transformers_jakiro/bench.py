@@ -710,7 +710,7 @@ def markdown_table(result: dict) -> str:
         lines += ["", f"## Temperature {temperature:g}", "",
                   "| suite | method | tokens/s | speedup | tau | tau (papers) | efficiency | match rate | lookup share | "
                   "peak memory (MiB) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in result["results"]:
             if row["temperature"] != temperature:
                 continue
