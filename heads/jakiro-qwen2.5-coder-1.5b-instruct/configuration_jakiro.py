@@ -28,6 +28,11 @@ class JakiroConfig(PreTrainedConfig):
     Identity: `target_model_type`, `target_name_or_path`. Tree defaults: `total_tokens` (draft nodes verified per
     round, root excluded), `depth` (draft forwards per round; the tree has `depth + 1` levels with the contrastive
     head, `depth` without), `top_k` (children kept per node and nodes expanded per level).
+
+    N-gram lookup (hybrid trees): `lookup_tokens` (0 = off; else up to this many tokens copied from an earlier
+    occurrence of the current suffix join the tree as a chain, verified in the same forward, on top of
+    `total_tokens`), `lookup_max_ngram` (longest suffix n-gram matched, down to 1), `lookup_chains` (distinct
+    continuations added per round).
     """
 
     model_type = "jakiro"
@@ -53,6 +58,9 @@ class JakiroConfig(PreTrainedConfig):
     total_tokens: int = 60
     depth: int = 5
     top_k: int = 10
+    lookup_tokens: int = 0
+    lookup_max_ngram: int = 3
+    lookup_chains: int = 1
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 
@@ -89,9 +97,11 @@ class JakiroConfig(PreTrainedConfig):
             raise ValueError(
                 f"draft_vocab_size ({self.draft_vocab_size}) must lie in [1, vocab_size={self.vocab_size}]."
             )
-        for name in ("total_tokens", "depth", "top_k"):
+        for name in ("total_tokens", "depth", "top_k", "lookup_max_ngram", "lookup_chains"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens must be >= 0 (0 turns n-gram lookup off), got {self.lookup_tokens}.")
 
     @classmethod
     def from_target_config(cls, target_config: PreTrainedConfig, **overrides: Any) -> "JakiroConfig":

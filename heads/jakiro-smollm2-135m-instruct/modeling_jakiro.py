@@ -61,22 +61,35 @@ class JakiroRotaryEmbedding(nn.Module):
 
     def __init__(self, config: JakiroConfig):
         super().__init__()
+        self.config = config  # kept to recompute the table when the module is materialised from the meta device
+        inv_freq, self.attention_scaling = self.compute_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @staticmethod
+    def compute_inv_freq(config: JakiroConfig, device=None) -> tuple[torch.Tensor, float]:
+        """(float32 inverse frequencies, attention scaling) for the config's RoPE type."""
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             dim = config.head_dim
             base = config.rope_parameters["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+            return 1.0 / (base**exponents), 1.0
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        return inv_freq.float(), scaling
 
     def _apply(self, fn, recurse=True):
         # `.to(torch.bfloat16)` casts floating buffers too; bf16 frequencies are off by up to 0.2%, which shifts
         # rotations by a fraction of a radian a few hundred positions away. Follow device moves, stay float32.
         inv_freq = self.inv_freq
         super()._apply(fn, recurse)
-        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        if self.inv_freq.is_meta:
+            self.inv_freq = torch.empty_like(self.inv_freq, dtype=torch.float32)
+        elif inv_freq.is_meta:
+            # Materialised from the meta device (`to_empty()` after `init_empty_weights`): there are no values to keep
+            # and the table is not in any checkpoint, so compute it again where the module now lives.
+            self.inv_freq = self.compute_inv_freq(self.config, device=self.inv_freq.device)[0]
+        else:
+            self.inv_freq = inv_freq.to(self.inv_freq.device)
         return self
 
     @torch.no_grad()
@@ -98,8 +111,13 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
+# Grouped-query attention inside SDPA (torch >= 2.5): key/value heads are shared by their query heads without
+# copying the whole KV cache `num_heads // num_kv_heads` times, as `repeat_interleave` does, at every draft level.
+_SDPA_GQA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
 class JakiroAttention(nn.Module):
-    """Multi-head attention with the target's head layout (GQA included), RoPE, an explicit additive mask."""
+    """Multi-head attention with the target's head layout (GQA included), RoPE, an additive mask or causal."""
 
     def __init__(self, config: JakiroConfig):
         super().__init__()
@@ -113,6 +131,8 @@ class JakiroAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
 
     def forward(self, hidden_states, cos, sin, attention_mask, cache: Cache | None = None):
+        """`attention_mask`: an additive [batch, 1, seq, keys] mask, or None for causal attention over an empty cache
+        (or a single query, which sees every key): SDPA's own causal path, no [seq, seq] mask in memory."""
         batch, seq, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -120,10 +140,15 @@ class JakiroAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, 0)
+        grouped = {}
         if self.num_kv_heads != self.num_heads:
-            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.to(q.dtype))
+            if _SDPA_GQA:
+                grouped = {"enable_gqa": True}
+            else:  # older torch: copy each key/value head for its query heads
+                k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+                v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        mask = None if attention_mask is None else attention_mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1, **grouped)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -336,14 +361,21 @@ class JakiroDraftModel(JakiroPreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + seq, device=device)[None].expand(x.shape[0], -1)
-        if attention_mask is None or attention_mask.dim() == 2:
+        if attention_mask is None:
+            # Causal. Over an empty cache (the prefill: thousands of positions) or for one query, the attention needs
+            # no mask at all; a [seq, past + seq] one only for several queries after a cache (a round's few tokens).
+            if past and seq > 1:
+                attention_mask = causal_mask(seq, past, dtype, device)
+        elif attention_mask.dim() == 2:
             attention_mask = causal_mask(seq, past, dtype, device, padding_mask=attention_mask)
         elif attention_mask.dtype == torch.bool:  # True = visible; an additive mask is what SDPA gets
             attention_mask = torch.zeros_like(attention_mask, dtype=dtype).masked_fill(
                 ~attention_mask, torch.finfo(dtype).min
             )
         cos, sin = self.rotary_emb(x, position_ids.to(device))
-        left, right = self.layer(x, cos, sin, attention_mask.to(device), cache, features_to_keep)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(device)
+        left, right = self.layer(x, cos, sin, attention_mask, cache, features_to_keep)
         return JakiroDraftOutput(last_hidden_state=left, contrastive_hidden_state=right, cache=cache)
 
     # -- saving and loading --------------------------------------------------------------------------------------

@@ -791,7 +791,10 @@ def head_metrics(result: dict) -> dict:
     """The benchmark's headline numbers for a head's model card: one entry per (suite, temperature) of the jakiro
     rows, keyed so that a later run in the same dtype on the same suite replaces the entry."""
     machine = result["machine"]
-    where = f"{machine['dtype']}, {machine['device']}" + (f" {machine['gpu']}" if "gpu" in machine else "")
+    # The processor is part of the key: the same suite measured on another machine is another entry.
+    where = f"{machine['dtype']}, {machine['device']}" + (
+        f" {machine['gpu']}" if "gpu" in machine else f" {machine['cpu']}" if machine.get("cpu") else ""
+    )
     entries = {}
     suites = result["config"].get("suites") or sorted({r["suite"] for r in result["results"]} - {"overall"})
     settings = result["config"].get("tree_settings", {})
