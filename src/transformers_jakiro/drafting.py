@@ -82,6 +82,7 @@ class JakiroCandidateGenerator:
         self.lookup_length = settings.lookup_tokens  # adapted per round, see extend_context
         self.chain_was_whole = False  # the last round with lookup nodes accepted every one of them
         self._proposed = 0  # the longest chain of the last round that had lookup nodes
+        self._features_unread = False  # a lookup-only round left `pending_features` for the draft to read later
 
     def extend_context(self, tokens: list[int], lookup_accepted: int | None = None) -> None:
         """Host copies of the accepted tokens (prompt first, then each round's), for the n-gram lookup.
@@ -101,8 +102,9 @@ class JakiroCandidateGenerator:
     def set_features(self, features: torch.Tensor) -> None:
         """[m, hidden]: target hidden states of the positions accepted since the last round; after a lookup-only
         round they join the ones the draft has not read yet."""
-        if self.pending_features is not None:
+        if self._features_unread:
             features = torch.cat([self.pending_features, features])
+            self._features_unread = False
         self.pending_features = features
 
     def _draft_level(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor]:
@@ -125,9 +127,10 @@ class JakiroCandidateGenerator:
         if chains:
             self._proposed = max(len(chain) for chain in chains)
         if chains and self.chain_was_whole:
+            self._features_unread = True
             return graft_chains(DraftTree.root_only(input_ids[0, -1]), chains)
         past = self.cache.get_seq_length()
-        features, self.pending_features = self.pending_features, None
+        features = self.pending_features
         next_tokens = input_ids[:, past + 1 : past + 1 + features.shape[0]]
         out = draft(input_ids=next_tokens, hidden_states=features[None], cache=self.cache, features_to_keep=1)
         stable = past + features.shape[0]  # the root token was read at draft position stable - 1
