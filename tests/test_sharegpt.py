@@ -69,3 +69,16 @@ def test_distill_reads_first_human_turns_from_a_data_spec(tmp_path):
     prompts, bad = read_prompts(f"{array}:5")
     assert prompts == [("r0", "question 0"), ("r2", "question 2")]  # record 3 is the truncated tail
     assert len(bad) == 1  # record 1 has no human turn
+
+
+def test_distill_data_spec_skips_benchmark_prompts_in_every_format(tmp_path, monkeypatch):
+    from transformers_jakiro import distill
+
+    monkeypatch.setattr("transformers_jakiro.sharegpt.benchmark_prompts", lambda: {"bench question?"})
+    lines = [{"prompt": "Bench  Question?"}, {"turns": ["bench question?"]}, record(0, prompt="BENCH question?"),
+             {"prompt": "fine"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    prompts, bad = distill.read_prompts(f"{path}:10")
+    assert [text for _, text in prompts] == ["fine"]
+    assert [reason for _, reason in bad] == ["benchmark prompt"] * 3

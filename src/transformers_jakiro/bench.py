@@ -210,6 +210,11 @@ def _sampling_kwargs(temperature: float, tokenizer, max_new_tokens: int) -> dict
     return kwargs
 
 
+def _lookup_budget(settings: dict, draft) -> int:
+    """jakiro_lookup's chain budget: the given (tuned or --lookup-tokens) one, else the head's, else LOOKUP_TOKENS."""
+    return settings.get("lookup_tokens") or draft.config.lookup_tokens or LOOKUP_TOKENS
+
+
 def generate_once(target, inputs, method, draft, assistant, sampling, settings) -> dict:
     """One timed `generate`: the new token ids, seconds, and (tree methods) the Jakiro stats."""
     device = inputs["input_ids"].device
@@ -220,7 +225,7 @@ def generate_once(target, inputs, method, draft, assistant, sampling, settings) 
     if method in ("jakiro", "eagle2"):
         overrides["lookup_tokens"] = 0
     elif method == "jakiro_lookup":
-        overrides["lookup_tokens"] = overrides.get("lookup_tokens") or draft.config.lookup_tokens or LOOKUP_TOKENS
+        overrides["lookup_tokens"] = _lookup_budget(overrides, draft)
     _sync(device)
     start = time.perf_counter()
     if method in TREE_METHODS:
@@ -621,7 +626,7 @@ def run_benchmark(
             if chosen["lookup_tokens"]:
                 tree["lookup_tokens"] = chosen["lookup_tokens"]
         resolved = TreeSettings.resolve(draft, **tree)
-        lookup = tree.get("lookup_tokens") or draft.config.lookup_tokens or LOOKUP_TOKENS
+        lookup = _lookup_budget(tree, draft)
         result["config"]["tree_settings"] = {"total_tokens": resolved.total_tokens, "depth": resolved.depth,
                                              "top_k": resolved.top_k, "contrastive_head": resolved.contrastive,
                                              "lookup_tokens (jakiro_lookup)": lookup,

@@ -79,14 +79,8 @@ def read_prompts(path) -> tuple[list[tuple[str, str]], list[tuple]]:
         return record_id(record, prompt_of(record)), prompt_of(record)
 
     if is_data_spec(path):
-        parsed, bad = read_sources(str(path), parse)
-        excluded = benchmark_prompts()
-        good = []
-        for where, (pid, text) in ((f"#{i}", p) for i, p in enumerate(parsed)):
-            if " ".join(text.lower().split()) in excluded:
-                bad.append((where, "benchmark prompt"))
-            else:
-                good.append((where, (pid, text)))
+        parsed, bad = read_sources(str(path), parse, benchmark_prompts())
+        good = [(f"#{i}", p) for i, p in enumerate(parsed)]
     else:
         good, bad = read_jsonl(path, parse)
     prompts, seen = [], set()

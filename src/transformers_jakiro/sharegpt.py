@@ -108,6 +108,22 @@ def sharegpt_messages(record) -> list[dict]:
     return messages
 
 
+def _user_turns(record) -> list[str]:
+    """The user's text in a record of any input format: ShareGPT/OpenAI human turns, bench-format `turns`, or a
+    `prompt` / `question` / `instruction` field."""
+    if not isinstance(record, dict):
+        return []
+    if isinstance(record.get("turns"), list):
+        return [turn for turn in record["turns"] if isinstance(turn, str)]
+    turns = record.get("conversations") or record.get("messages") or []
+    users = [
+        str(turn.get("value", turn.get("content", "")))
+        for turn in turns
+        if isinstance(turn, dict) and str(turn.get("from", turn.get("role"))).lower() in ("human", "user")
+    ]
+    return users + [record[key] for key in ("prompt", "question", "instruction") if isinstance(record.get(key), str)]
+
+
 def _split_limit(source: str) -> tuple[str, int | None]:
     name, _, limit = source.rpartition(":")
     if name and limit.isdigit():
@@ -140,7 +156,7 @@ def read_sources(spec: str, parse, exclude: set[str] | None = None) -> tuple[lis
     """Records of every source in `spec` (comma-separated, each optionally `:N`), parsed by `parse(record)`.
 
     Returns (parsed records, [(where, reason)] of the skipped ones). Records whose user turns appear in `exclude`
-    (normalised benchmark prompts) are skipped with the reason "benchmark prompt"."""
+    (normalised benchmark prompts) are skipped with the reason "benchmark prompt", whatever `parse` returns."""
     good, bad = [], []
     for source in [s.strip() for s in spec.split(",") if s.strip()]:
         name, limit = _split_limit(source)
@@ -157,9 +173,7 @@ def read_sources(spec: str, parse, exclude: set[str] | None = None) -> tuple[lis
             except (ValueError, TypeError, AttributeError, KeyError) as error:
                 bad.append((where, str(error)))
                 continue
-            if exclude and isinstance(parsed, list) and any(
-                m.get("role") == "user" and _normalise(m["content"]) in exclude for m in parsed
-            ):
+            if exclude and any(_normalise(turn) in exclude for turn in _user_turns(record)):
                 bad.append((where, "benchmark prompt"))
                 continue
             good.append(parsed)
