@@ -8,10 +8,11 @@ import pytest
 import torch
 from chat_tokenizer import make_tokenizer
 from tiny_models import make_target
-from transformers import TrainerCallback
+from transformers import DynamicCache, TrainerCallback
 
 from transformers_jakiro import JakiroDraftModel, cli, tree_settings
 from transformers_jakiro.distill import distill
+from transformers_jakiro.feature_store import FeatureStore, conversation_key, target_fingerprint
 from transformers_jakiro.train import (
     JakiroCollator,
     JakiroTrainer,
@@ -22,6 +23,8 @@ from transformers_jakiro.train import (
     select_draft_vocab,
     tokenize_conversation,
     train_head,
+    unroll_draft,
+    unrolled_attention_mask,
 )
 
 
@@ -154,22 +157,31 @@ def test_one_step_changes_the_draft_and_not_the_target(tmp_path, target, tokeniz
         assert key in logged
 
 
-def test_feature_cache_gives_the_same_loss_without_running_the_target_again(tmp_path, target, tokenizer, data_file):
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_feature_cache_gives_the_same_loss_without_running_the_target_again(
+    tmp_path, target, tokenizer, data_file, where
+):
     examples = examples_of(data_file, tokenizer)
     d2t = select_draft_vocab(examples, 40, target.config.vocab_size, always=[2])
     draft = JakiroDraftModel.from_target(target, draft_vocab_size=40).eval()  # eval: no input noise
     draft.d2t.copy_(d2t)
     online = JakiroTrainer(model=draft, target=target, args=config(tmp_path))
-    cached = JakiroTrainer(model=draft, target=target, args=config(tmp_path, cache_features=True))
+    cache = dict(cache_features=True) if where == "memory" else dict(feature_cache_dir=str(tmp_path / "features"))
+    cached = JakiroTrainer(model=draft, target=target, args=config(tmp_path, **cache))
     forwards = []
     hook = target.register_forward_hook(lambda *_: forwards.append(1))
+    keys = [conversation_key(e["input_ids"], e["loss_mask"]) for e in examples[:8]]
     try:
         whole, part = JakiroCollator(0)(examples[:8]), JakiroCollator(0)(examples[5:7])  # part: other padding
         with torch.no_grad():
             expected = [online.compute_loss(draft, batch).item() for batch in (whole, part)]
             forwards.clear()
             first = cached.compute_loss(draft, whole).item()
-            assert len(forwards) == 1 and sorted(cached.feature_cache) == list(range(8))
+            assert len(forwards) == 1 and sorted(cached.feature_cache) == sorted(keys)
+            if where == "disk":  # written to a shard, read back through a fresh store (a later run)
+                cached.feature_cache.flush()
+                cached = JakiroTrainer(model=draft, target=target, args=config(tmp_path, **cache))
+                assert len(cached.feature_cache) == 8
             again = [cached.compute_loss(draft, batch).item() for batch in (whole, part)]
             assert len(forwards) == 1  # both batches came from the cache
     finally:
@@ -179,6 +191,99 @@ def test_feature_cache_gives_the_same_loss_without_running_the_target_again(tmp_
     # the reduced teacher is the full teacher's slice, computed from the kept rows only
     features = torch.randn(5, target.config.hidden_size)
     assert torch.allclose(online._teacher_logits(features, draft.d2t), target.lm_head(features)[:, d2t], atol=1e-6)
+
+
+def test_prepare_features_fills_the_store_once_and_training_then_never_runs_the_target(
+    tmp_path, target, tokenizer, data_file
+):
+    examples = examples_of(data_file, tokenizer)
+    draft = JakiroDraftModel.from_target(target)
+    args = config(tmp_path, feature_cache_dir=str(tmp_path / "features"), max_steps=4)
+    report = JakiroTrainer(model=draft, target=target, args=args, train_dataset=examples).prepare_features()
+    assert report["conversations"] == len(examples) and report["already_cached"] == 0
+    again = JakiroTrainer(model=draft, target=target, args=args, train_dataset=examples)
+    assert again.prepare_features()["conversations"] == 0
+    forwards = []
+    hook = target.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        again.train()
+    finally:
+        hook.remove()
+    assert forwards == []
+    assert sorted(p.name for p in (tmp_path / "features").iterdir()) == ["shard-0-00000.safetensors", "store.json"]
+
+
+def test_feature_store_refuses_features_of_another_target(tmp_path, target):
+    fingerprint = target_fingerprint(target)
+    store = FeatureStore(tmp_path, fingerprint, shard_bytes=1)  # every entry is its own shard
+    store["a"] = (torch.randn(3, 4), torch.tensor([1, -1, 2]))
+    store["a"] = (torch.zeros(3, 4), torch.zeros(3, dtype=torch.long))  # an entry is written once
+    store["b"] = (torch.randn(2, 4), torch.tensor([5, 6]))
+    reopened = FeatureStore(tmp_path, fingerprint)
+    assert sorted(reopened) == ["a", "b"] and len(list(tmp_path.glob("shard-*"))) == 2
+    assert torch.equal(reopened["a"][0], store["a"][0]) and reopened["b"][1].tolist() == [5, 6]
+    other = target_fingerprint(make_target("llama", seed=1))  # same architecture, other weights
+    assert {k for k in other if other[k] != fingerprint[k]} == {"weights"}
+    with pytest.raises(ValueError, match="features of another target.*weights"):
+        FeatureStore(tmp_path, other)
+
+
+def test_unrolled_attention_mask_matches_a_brute_force_definition():
+    for rows in (1, 2, 5, 9):
+        for step in range(1, rows):
+            mask = unrolled_attention_mask(rows, step)
+            sizes = [rows - i for i in range(step + 1)]
+            assert mask.shape == (rows - step, sum(sizes))
+            for s in range(rows - step):
+                visible = {(0, c) for c in range(s + 1)} | {(i, s) for i in range(1, step + 1)}
+                columns = [(i, c) for i, size in enumerate(sizes) for c in range(size)]
+                assert {columns[k] for k in mask[s].nonzero().flatten().tolist()} == visible
+
+
+def test_unrolled_steps_compute_what_tree_levels_compute(target):
+    """Row s of unrolled step j equals what drafting computes for a one-node-per-level branch rooted at position s:
+    the draft reads the accepted context (true features up to s), then its own prediction level by level."""
+    torch.manual_seed(0)
+    draft = JakiroDraftModel.from_target(target).eval()
+    ids = torch.randint(3, target.config.vocab_size, (1, 14))
+    with torch.no_grad():
+        features = target(ids, output_hidden_states=True).hidden_states[-1]
+        unrolled = unroll_draft(draft, ids[:, 1:], features[:, :-1], steps=3)
+    rows = ids.shape[1] - 1
+    assert [out.last_hidden_state.shape[1] for out in unrolled] == [rows, rows - 1, rows - 2, rows - 3]
+    for s in range(rows - 3):
+        cache = DynamicCache()
+        with torch.no_grad():
+            out = draft(input_ids=ids[:, 1 : s + 2], hidden_states=features[:, : s + 1], cache=cache)
+            left = out.last_hidden_state[:, -1:]
+            for step in range(1, 4):
+                out = draft(
+                    input_ids=ids[:, s + step + 1 : s + step + 2],
+                    hidden_states=left,
+                    position_ids=torch.tensor([[s + step]]),
+                    cache=cache,
+                )
+                left = out.last_hidden_state
+                for mine, theirs in ((left, unrolled[step].last_hidden_state),
+                                     (out.contrastive_hidden_state, unrolled[step].contrastive_hidden_state)):
+                    torch.testing.assert_close(mine[0, 0], theirs[0, s], atol=1e-5, rtol=1e-5)
+
+
+def test_unrolled_training_logs_each_step_and_trains_through_them(tmp_path, target, tokenizer, data_file):
+    examples = examples_of(data_file, tokenizer)
+    draft = JakiroDraftModel.from_target(target)
+    trainer = JakiroTrainer(
+        model=draft, target=target, args=config(tmp_path, unroll_steps=2, max_steps=2), train_dataset=examples
+    )
+    batch = JakiroCollator(0)(examples[:4])
+    with torch.no_grad():
+        plain = JakiroTrainer(model=draft, target=target, args=config(tmp_path)).compute_loss(draft.eval(), batch)
+        unrolled = trainer.compute_loss(draft, batch)
+    assert unrolled > plain  # the extra steps add their (weighted, positive) losses
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    for key in ("left_acc", "left_acc@1", "left_acc@2", "right_acc@2", "left_l1@1"):
+        assert key in logged
 
 
 def test_loss_falls_over_a_few_dozen_steps(tmp_path, target, tokenizer, data_file):

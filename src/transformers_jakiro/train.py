@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import DynamicCache, Trainer, TrainerCallback, TrainingArguments
 
-from .distill import _render, load_target_or_explain, read_jsonl, read_prompts
 from .bench import acceptance_profile, format_acceptance
+from .distill import _render, load_target_or_explain, read_jsonl, read_prompts
+from .feature_store import FeatureStore, conversation_key, target_fingerprint
 from .generation import TreeSettings
 from .modeling_jakiro import JakiroDraftModel
 from .sharegpt import benchmark_prompts, is_data_spec, read_sources, sharegpt_messages
@@ -69,6 +70,23 @@ class JakiroTrainingConfig(TrainingArguments):
             "help": "keep each conversation's target features in CPU memory after its first pass, so later epochs "
             "skip the target forward (costs tokens x hidden size x dtype bytes of RAM)"
         },
+    )
+    feature_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "keep the target features in safetensors shards in this directory (a FeatureStore): later "
+            "epochs, --resume and later runs on the same conversations skip the target forward"
+        },
+    )
+    unroll_steps: int = field(
+        default=0,
+        metadata={
+            "help": "training-time test: unroll the draft this many extra steps on its own predicted features (as "
+            "deeper tree levels read them), with a loss at every step; 0 = off"
+        },
+    )
+    unroll_loss_weight: float = field(
+        default=0.8, metadata={"help": "the losses of unrolled step j are weighted unroll_loss_weight ** j"}
     )
     # Recipe values for inherited fields.
     learning_rate: float = 9e-5
@@ -182,7 +200,6 @@ def build_examples(conversations, tokenizer, max_length: int) -> tuple[list[dict
         if not any(example["loss_mask"][2:]):  # the first trained prediction is that of token 2
             too_long += 1
             continue
-        example["example_index"] = len(examples)  # the key of its features in the trainer's feature cache
         examples.append(example)
     if unrenderable:
         print(
@@ -213,7 +230,7 @@ def build_examples(conversations, tokenizer, max_length: int) -> tuple[list[dict
 @dataclass
 class JakiroCollator:
     """Right-pads a batch: `input_ids`, `attention_mask` (1 = real token), `loss_mask` (1 = assistant token), and
-    passes `example_index` through when the examples carry one (`build_examples` numbers them)."""
+    `feature_keys`, each conversation's key in a feature cache (`conversation_key`, computed here on the host)."""
 
     pad_token_id: int = 0
 
@@ -229,8 +246,7 @@ class JakiroCollator:
             "attention_mask": attention,
             "loss_mask": pad("loss_mask", 0),
         }
-        if all("example_index" in e for e in examples):
-            batch["example_index"] = torch.tensor([e["example_index"] for e in examples])
+        batch["feature_keys"] = [conversation_key(e["input_ids"], e["loss_mask"]) for e in examples]
         return batch
 
 
@@ -255,6 +271,46 @@ def _eos_ids(target, tokenizer) -> list[int]:
 
 
 # -- trainer ----------------------------------------------------------------------------------------------------------
+def unroll_draft(draft, input_ids: torch.LongTensor, hidden_states: torch.Tensor, steps: int = 0) -> list:
+    """The draft's outputs for step 0 (row t reads the true f_t and x_{t+1}) and for `steps` unrolled steps.
+
+    Training-time test (HASS, EAGLE-3): in a tree, a level-d node reads its parent's *predicted* feature, never a
+    true one; training only on true features leaves the draft unused to its own errors. Row s of step j reads chain
+    s's step j-1 prediction (of f_{s+j}) with the true token x_{s+j+1}, at position s + j, under
+    `unrolled_attention_mask`. One cache holds every step's keys, as in the tree drafting loop."""
+    cache = DynamicCache() if steps else None
+    outputs = [draft(input_ids=input_ids, hidden_states=hidden_states, cache=cache)]
+    rows, batch = input_ids.shape[1], input_ids.shape[0]
+    for step in range(1, steps + 1):
+        if rows - step < 1:
+            break
+        positions = torch.arange(rows - step, device=input_ids.device) + step
+        outputs.append(
+            draft(
+                input_ids=input_ids[:, step:],
+                hidden_states=outputs[-1].last_hidden_state[:, : rows - step],
+                position_ids=positions[None].expand(batch, -1),
+                attention_mask=unrolled_attention_mask(rows, step, input_ids.device)[None, None],
+                cache=cache,
+            )
+        )
+    return outputs
+
+
+def unrolled_attention_mask(rows: int, step: int, device=None) -> torch.Tensor:
+    """Bool [rows - step, keys] mask (True = visible) for unrolled training step `step` >= 1 over a cache that holds
+    step 0's `rows` keys, then step 1's rows - 1, ..., then this step's rows - step.
+
+    Row s of every step belongs to the chain rooted at draft position s, as a tree branch is rooted at the last
+    accepted token: it sees the true-feature keys of positions <= s (the accepted context) and, from each unrolled
+    step 1..step, only its own chain's key (its tree ancestors and itself) -- the masks `JakiroCandidateGenerator`
+    builds level by level, for a one-node-per-level branch."""
+    chain = torch.arange(rows - step, device=device)[:, None]
+    blocks = [torch.arange(rows, device=device)[None] <= chain]
+    blocks += [torch.arange(rows - i, device=device)[None] == chain for i in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
 class _ClipGradValue(TrainerCallback):
     """The recipe clips gradient values (torch.nn.utils.clip_grad_value_); Trainer only clips the norm."""
 
@@ -263,6 +319,20 @@ class _ClipGradValue(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         torch.nn.utils.clip_grad_value_(model.parameters(), self.value)
+
+
+class _FlushFeatures(TrainerCallback):
+    """Writes the feature store's buffered entries with every checkpoint and at the end of training, so that
+    `--resume` after an interruption finds them."""
+
+    def __init__(self, store: FeatureStore):
+        self.store = store
+
+    def on_save(self, args, state, control, **kwargs):
+        self.store.flush()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.store.flush()
 
 
 class JakiroTrainer(Trainer):
@@ -292,8 +362,12 @@ class JakiroTrainer(Trainer):
             self.add_callback(_ClipGradValue(args.max_grad_value))
         self._metrics = defaultdict(list)
         self.tokens_seen = 0  # real (unpadded) tokens through the target and the draft in training, this process
-        # example_index -> (features [n, H], next tokens [n]) on the CPU; see JakiroTrainingConfig.cache_features
+        # conversation key -> (features [n, H], next tokens [n]) on the CPU: on disk (feature_cache_dir), in memory
+        # (cache_features) or nowhere
         self.feature_cache = {} if args.cache_features else None
+        if args.feature_cache_dir:
+            self.feature_cache = FeatureStore(args.feature_cache_dir, target_fingerprint(target), args.process_index)
+            self.add_callback(_FlushFeatures(self.feature_cache))
         self._teacher_head = None  # (d2t, weight, bias): the target's lm_head rows the draft vocabulary keeps
 
     @torch.no_grad()
@@ -305,9 +379,8 @@ class JakiroTrainer(Trainer):
         causal attention no real position reads them."""
         ids, loss_mask = inputs["input_ids"], inputs["loss_mask"].bool()
         device = self.target.get_input_embeddings().weight.device
-        index = inputs.get("example_index")
+        keys = inputs.get("feature_keys")
         cache = self.feature_cache
-        keys = index.tolist() if index is not None else None
         if cache is not None and keys is not None and all(k in cache for k in keys):
             first = cache[keys[0]][0]
             features = first.new_zeros(*ids.shape, first.shape[-1], device=device)
@@ -340,6 +413,32 @@ class JakiroTrainer(Trainer):
                 )
         return features, next_tokens
 
+    def prepare_features(self) -> dict:
+        """Fill the feature cache for every training conversation (this process's share of them) without training:
+        batches of similar lengths, conversations already cached are skipped. Returns counts and the time taken."""
+        if self.feature_cache is None:
+            raise ValueError("prepare_features needs a feature cache: set feature_cache_dir (--feature-cache DIR).")
+        from tqdm.auto import tqdm
+
+        started = time.time()
+        examples = self.train_dataset
+        keys = [conversation_key(e["input_ids"], e["loss_mask"]) for e in examples]
+        todo = [i for i, key in enumerate(keys) if key not in self.feature_cache and i % self.args.world_size
+                == self.args.process_index]
+        todo.sort(key=lambda i: len(examples[i]["input_ids"]))
+        size = self.args.per_device_train_batch_size
+        tokens = sum(len(examples[i]["input_ids"]) for i in todo)
+        with tqdm(total=tokens, unit="tok", desc="target features", disable=not self.is_local_process_zero()) as bar:
+            for start in range(0, len(todo), size):
+                batch = self.data_collator([examples[i] for i in todo[start : start + size]])
+                self.target_features(batch)
+                bar.update(int(batch["attention_mask"].sum()))
+        if isinstance(self.feature_cache, FeatureStore):
+            self.feature_cache.flush()
+        seconds = time.time() - started
+        return dict(conversations=len(todo), already_cached=len(keys) - len(todo), tokens=tokens,
+                    seconds=round(seconds, 1), tokens_per_s=round(tokens / seconds, 1) if seconds else None)
+
     def _teacher_logits(self, features: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
         """The target's logits at `features`; with a reduced draft vocabulary only its rows (the same numbers as
         slicing the full logits, at a fraction of the cost: Qwen's vocabulary is 151936 rows, our head's 8014)."""
@@ -354,9 +453,8 @@ class JakiroTrainer(Trainer):
         return F.linear(features, *self._teacher_head[1:])
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        args, draft = self.args, self.accelerator.unwrap_model(model)
-        ids, loss_mask = inputs["input_ids"], inputs["loss_mask"].bool()
-        target_device = self.target.get_input_embeddings().weight.device
+        args = self.args
+        ids = inputs["input_ids"]
         features, next_tokens = self.target_features(inputs)
         if model.training:
             self.tokens_seen += int(inputs["attention_mask"].sum())
@@ -364,8 +462,18 @@ class JakiroTrainer(Trainer):
         if model.training and args.feature_noise > 0:
             hidden = hidden + (torch.rand_like(hidden) - 0.5) * (args.feature_noise * 512 / hidden.shape[1])
         # Right padding: causal attention alone keeps real positions away from the padding after them.
-        pred = model(input_ids=ids[:, 1:], hidden_states=hidden)
+        outputs = unroll_draft(model, ids[:, 1:], hidden, args.unroll_steps)
+        loss = 0.0
+        for step, pred in enumerate(outputs):
+            weight = args.unroll_loss_weight**step
+            loss = loss + weight * self._step_loss(model, pred, inputs, features, next_tokens, step=step)
+        return (loss, outputs[0]) if return_outputs else loss
 
+    def _step_loss(self, model, pred, inputs, features, next_tokens, step: int) -> torch.Tensor:
+        """Both heads' losses for the draft rows of unrolled step `step` (0: the draft read the true features)."""
+        args, draft = self.args, self.accelerator.unwrap_model(model)
+        ids, loss_mask = inputs["input_ids"], inputs["loss_mask"].bool()
+        target_device = features.device
         length, loss = ids.shape[1], 0.0
         heads = (
             ("left", pred.last_hidden_state, 1, args.left_feature_weight, args.left_ce_weight),
@@ -374,8 +482,9 @@ class JakiroTrainer(Trainer):
         for name, head, shift, feature_weight, ce_weight in heads:
             if head is None or not (feature_weight or ce_weight):
                 continue
-            # Draft position t (t = 0 .. length-2-shift) predicts f_{t+shift}, whose distribution predicts token
-            # x_{t+shift+1}: the position counts if that token is an assistant token.
+            # Row s of step j sits at position t = s + j and predicts f_{t+shift}, whose distribution predicts
+            # token x_{t+shift+1}: the row counts if that token is an assistant token.
+            shift = shift + step
             valid = loss_mask[:, shift + 1 :]
             if not valid.any():
                 # Keep every parameter (lm_head too) in the graph: DDP expects a gradient for each on every rank.
@@ -393,9 +502,10 @@ class JakiroTrainer(Trainer):
             loss = loss + feature_weight * smooth_l1 + ce_weight * ce
             if model.training:
                 accuracy = (draft.draft_to_target_ids(logits.argmax(-1)) == target_token).float().mean()
+                suffix = f"@{step}" if step else ""
                 for key, value in (("l1", smooth_l1), ("ce", ce), ("acc", accuracy)):
-                    self._metrics[f"{name}_{key}"].append(value.detach())
-        return (loss, pred) if return_outputs else loss
+                    self._metrics[f"{name}_{key}{suffix}"].append(value.detach())
+        return loss
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """Adds per-head losses and top-1 accuracies (vs the target's own next token), averaged since the last log
@@ -497,13 +607,15 @@ def train_head(
     target_name: str | None = None,
     command: str | None = None,
     save_dtype: torch.dtype | None = None,
+    prepare_only: bool = False,
 ) -> dict:
     """Train a head on ShareGPT JSONL `data_path` into `config.output_dir`, measure tau, write the model card.
 
     Tau is measured on `eval_prompts`, else on the last `eval_size` conversations of the data, which are then held
     out of training (`eval_size=0`: no evaluation). `save_dtype` (e.g. torch.bfloat16, half the size) is the dtype of
     the published weights; training keeps fp32 master weights and tau is measured with the weights as saved.
-    Returns a report dict (training summary, metrics).
+    Returns a report dict (training summary, metrics). `prepare_only`: fill the feature cache
+    (`config.feature_cache_dir`) for the training conversations and return its counts, without training.
     """
     started = time.time()
     out = Path(config.output_dir)
@@ -561,6 +673,13 @@ def train_head(
         train_dataset=examples,
         data_collator=JakiroCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0),
     )
+    if prepare_only:
+        report = trainer.prepare_features()
+        store = trainer.feature_cache
+        if isinstance(store, FeatureStore):
+            report["store"] = f"{len(store)} conversations, {store.size_bytes() / 2**30:.2f} GiB in {store.directory}"
+        print(f"features: {report}")
+        return report
     runtime = trainer.train(resume_from_checkpoint=True if resume else None).metrics["train_runtime"]
     data_stats["train_tokens_per_s"] = round(trainer.tokens_seen * config.world_size / runtime, 1)
     trainer.save_model(str(out))
@@ -676,6 +795,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=int, default=None)
     parser.add_argument("--max-length", type=int, default=None, help="default 2048 tokens")
     parser.add_argument("--warmup", type=float, default=None, help="warmup steps (>= 1) or ratio (< 1); default 0.05")
+    parser.add_argument(
+        "--unroll-steps",
+        type=int,
+        default=None,
+        help="training-time test: unroll the draft N extra steps on its own predictions (deeper tree levels); "
+        "default 0",
+    )
     parser.add_argument("--feature-noise", type=float, default=None, help="default 0.2; 0 = no input noise")
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps; default 500")
     parser.add_argument("--logging-steps", type=int, default=None, help="default 10")
@@ -685,6 +811,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-features",
         action="store_true",
         help="keep the target's features in RAM after the first epoch (later epochs skip the target forward)",
+    )
+    parser.add_argument(
+        "--feature-cache",
+        default=None,
+        metavar="DIR",
+        help="keep the target's features in safetensors shards in DIR: later epochs, --resume and later runs on the "
+        "same conversations skip the target forward",
+    )
+    parser.add_argument(
+        "--prepare-features",
+        action="store_true",
+        help="only fill --feature-cache for the training data (no training), e.g. once on a big machine",
     )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     parser.add_argument("--overwrite", action="store_true", help="replace a different head already in --out")
@@ -708,11 +846,13 @@ def config_from_args(args) -> JakiroTrainingConfig:
         max_length=args.max_length,
         warmup_steps=args.warmup,
         feature_noise=args.feature_noise,
+        unroll_steps=args.unroll_steps,
         save_steps=args.save_steps,
         logging_steps=args.logging_steps,
         seed=args.seed,
         draft_vocab_size=args.draft_vocab,
         cache_features=args.cache_features or None,
+        feature_cache_dir=args.feature_cache,
     )
     given = {key: value for key, value in given.items() if value is not None}
     accelerator = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
@@ -736,6 +876,8 @@ def _command(args) -> str:
 def run(args) -> int:
     if not is_data_spec(args.data) and not Path(args.data).is_file():
         raise FileNotFoundError(f"training data not found: {args.data}")
+    if args.prepare_features and not args.feature_cache:
+        raise ValueError("--prepare-features fills a feature cache on disk: pass --feature-cache DIR as well.")
     config = config_from_args(args)  # before loading the target: bad options fail fast
     eval_prompts = None
     if args.eval_prompts:
@@ -759,6 +901,7 @@ def run(args) -> int:
         target_name=args.target,
         command=_command(args),
         save_dtype=getattr(torch, args.save_dtype),
+        prepare_only=args.prepare_features,
     )
     return 0
 
