@@ -19,6 +19,7 @@ from transformers_jakiro.train import (
     JakiroTrainingConfig,
     build_examples,
     evaluate_tau,
+    init_from_head,
     read_conversations,
     select_draft_vocab,
     tokenize_conversation,
@@ -210,7 +211,8 @@ def test_prepare_features_fills_the_store_once_and_training_then_never_runs_the_
     finally:
         hook.remove()
     assert forwards == []
-    assert sorted(p.name for p in (tmp_path / "features").iterdir()) == ["shard-0-00000.safetensors", "store.json"]
+    names = sorted(p.name for p in (tmp_path / "features").iterdir())
+    assert len(names) == 2 and names[0].startswith("shard-0-") and names[1] == "store.json"
 
 
 def test_feature_store_refuses_features_of_another_target(tmp_path, target):
@@ -221,6 +223,8 @@ def test_feature_store_refuses_features_of_another_target(tmp_path, target):
     store["b"] = (torch.randn(2, 4), torch.tensor([5, 6]))
     reopened = FeatureStore(tmp_path, fingerprint)
     assert sorted(reopened) == ["a", "b"] and len(list(tmp_path.glob("shard-*"))) == 2
+    store["c"] = (torch.randn(1, 4), torch.tensor([7]))  # written by another run after `reopened` was opened
+    assert "c" in reopened and reopened["c"][1].tolist() == [7]
     assert torch.equal(reopened["a"][0], store["a"][0]) and reopened["b"][1].tolist() == [5, 6]
     other = target_fingerprint(make_target("llama", seed=1))  # same architecture, other weights
     assert {k for k in other if other[k] != fingerprint[k]} == {"weights"}
@@ -284,6 +288,24 @@ def test_unrolled_training_logs_each_step_and_trains_through_them(tmp_path, targ
     logged = trainer.state.log_history[0]
     for key in ("left_acc", "left_acc@1", "left_acc@2", "right_acc@2", "left_l1@1"):
         assert key in logged
+
+
+def test_init_from_a_head_copies_its_weights_and_the_rows_of_shared_vocabulary(target):
+    torch.manual_seed(0)
+    old = JakiroDraftModel.from_target(target, draft_vocab_size=6)
+    old.d2t.copy_(torch.tensor([2, 5, 7, 9, 11, 13]))
+    torch.nn.init.normal_(old.lm_head.weight)
+    new = JakiroDraftModel.from_target(target, draft_vocab_size=4)
+    new.d2t.copy_(torch.tensor([3, 5, 9, 20]))
+    before = new.lm_head.weight.detach().clone()
+    assert init_from_head(new, old) == {"lm_head rows carried over": 2, "of": 4}
+    assert torch.equal(new.fc.weight, old.fc.weight) and torch.equal(new.layer.moe.gate.weight, old.layer.moe.gate.weight)
+    assert torch.equal(new.lm_head.weight[1], old.lm_head.weight[1]) and torch.equal(new.lm_head.weight[2], old.lm_head.weight[3])
+    assert torch.equal(new.lm_head.weight[[0, 3]], before[[0, 3]])  # tokens the old head never had
+    assert new.d2t.tolist() == [3, 5, 9, 20]
+    other = JakiroDraftModel.from_target(target, num_experts=1, num_experts_per_tok=1, contrastive_head=False)
+    with pytest.raises(ValueError, match="another target or shape.*num_experts"):
+        init_from_head(new, other)
 
 
 def test_loss_falls_over_a_few_dozen_steps(tmp_path, target, tokenizer, data_file):

@@ -7,9 +7,10 @@ safetensors shards in one directory:
 
 - Entries are keyed by a digest of the conversation's token ids and loss mask (`conversation_key`), not by its place
   in a data file: a run with another data mix, order or held-out split reuses whatever conversations it shares.
-- New entries are buffered in memory and written as a new shard (`shard-<process>-<n>.safetensors`, written to a
-  temporary name and renamed, so a crash never leaves half a shard) once the buffer holds `shard_bytes`, and at every
-  `flush()` (the trainer flushes at each checkpoint and at the end).
+- New entries are buffered in memory and written as a new shard (`shard-<process>-<unique id>.safetensors`, written
+  to a temporary name and renamed, so a crash never leaves half a shard) once the buffer holds `shard_bytes`, and at
+  every `flush()` (the trainer flushes at each checkpoint and at the end). Several runs (or DDP ranks) can share one
+  directory: shard names never collide, and a lookup that misses first picks up shards other runs have written since.
 - Shards are read lazily through `safe_open`, which memory-maps the file: opening a store of many GB costs nothing.
 - `store.json` records which target wrote the features (name, shape, dtype and a digest of its weights); opening the
   directory for another target is an error instead of silently training on the wrong features.
@@ -20,6 +21,7 @@ A plain `dict` is the in-memory variant (`--cache-features`); both are mappings 
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
 
 import torch
@@ -78,12 +80,24 @@ class FeatureStore:
         elif process_index == 0:
             info.write_text(json.dumps(fingerprint, indent=2) + "\n")
         self._index = {}  # key -> the open shard that holds it
+        self._opened = set()
         self._pending = {}
         self._pending_bytes = 0
+        self._seen_mtime = None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Open shards written since the last look (by this store, another run or another rank)."""
+        mtime = self.directory.stat().st_mtime_ns
+        if mtime == self._seen_mtime:
+            return
+        self._seen_mtime = mtime
         for path in sorted(self.directory.glob("shard-*.safetensors")):
-            self._open(path)
+            if path.name not in self._opened:
+                self._open(path)
 
     def _open(self, path: Path) -> None:
+        self._opened.add(path.name)
         shard = safe_open(str(path), framework="pt", device="cpu")
         for name in shard.keys():
             key, _, kind = name.partition("/")
@@ -91,7 +105,10 @@ class FeatureStore:
                 self._index[key] = shard
 
     def __contains__(self, key: str) -> bool:
-        return key in self._pending or key in self._index
+        if key in self._pending or key in self._index:
+            return True
+        self._refresh()
+        return key in self._index
 
     def __len__(self) -> int:
         return len(self._index) + len(self._pending)
@@ -103,6 +120,8 @@ class FeatureStore:
     def __getitem__(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         if key in self._pending:
             return self._pending[key]
+        if key not in self._index:
+            self._refresh()
         shard = self._index[key]
         return shard.get_tensor(f"{key}/features"), shard.get_tensor(f"{key}/next_tokens")
 
@@ -119,8 +138,7 @@ class FeatureStore:
         """Write the buffered entries as a new shard (atomically: a temporary file renamed into place)."""
         if not self._pending:
             return
-        number = len(list(self.directory.glob(f"shard-{self.process_index}-*.safetensors")))
-        path = self.directory / f"shard-{self.process_index}-{number:05d}.safetensors"
+        path = self.directory / f"shard-{self.process_index}-{uuid.uuid4().hex[:12]}.safetensors"
         tensors = {}
         for key, (features, next_tokens) in self._pending.items():
             tensors[f"{key}/features"] = features

@@ -262,6 +262,33 @@ def select_draft_vocab(examples, size: int, vocab_size: int, always=()) -> torch
     return keep.sort().values
 
 
+def init_from_head(draft: JakiroDraftModel, head: JakiroDraftModel) -> dict:
+    """Start `draft` from a trained `head` of the same target and shape (warm start: fine-tune a published head on
+    new data instead of training from scratch). Every weight is copied except the reduced lm_head, whose
+    vocabulary the new data may choose differently: a row is copied for each token both vocabularies hold, and the
+    others keep their initialisation (the target's own lm_head row). Returns how many rows were carried over."""
+    shape = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts", "expert_intermediate_size",
+             "contrastive_head", "vocab_size", "target_model_type")
+    differences = [f"{k}: {getattr(head.config, k)!r} vs {getattr(draft.config, k)!r}" for k in shape
+                   if getattr(head.config, k) != getattr(draft.config, k)]
+    if differences:
+        raise ValueError(f"--init-from: that head was built for another target or shape ({'; '.join(differences)}).")
+    state = {k: v for k, v in head.state_dict().items() if not k.startswith(("lm_head.", "d2t"))}
+    missing = draft.load_state_dict(state, strict=False).missing_keys
+    if any(not k.startswith(("lm_head.", "d2t")) for k in missing):
+        raise ValueError(f"--init-from: the head lacks weights {missing}")
+    rows = 0
+    with torch.no_grad():
+        if draft.lm_head is not None and head.lm_head is not None:
+            old = {int(t): i for i, t in enumerate(head.d2t.tolist())}
+            pairs = [(i, old[int(t)]) for i, t in enumerate(draft.d2t.tolist()) if int(t) in old]
+            if pairs:
+                new_rows, old_rows = map(torch.tensor, zip(*pairs))
+                draft.lm_head.weight[new_rows] = head.lm_head.weight[old_rows].to(draft.lm_head.weight)
+            rows = len(pairs)
+    return {"lm_head rows carried over": rows, "of": None if draft.lm_head is None else draft.lm_head.out_features}
+
+
 def _eos_ids(target, tokenizer) -> list[int]:
     ids = [tokenizer.eos_token_id, target.config.eos_token_id, getattr(target.generation_config, "eos_token_id", None)]
     flat = []
@@ -608,13 +635,15 @@ def train_head(
     command: str | None = None,
     save_dtype: torch.dtype | None = None,
     prepare_only: bool = False,
+    init_from: str | None = None,
 ) -> dict:
     """Train a head on ShareGPT JSONL `data_path` into `config.output_dir`, measure tau, write the model card.
 
     Tau is measured on `eval_prompts`, else on the last `eval_size` conversations of the data, which are then held
     out of training (`eval_size=0`: no evaluation). `save_dtype` (e.g. torch.bfloat16, half the size) is the dtype of
     the published weights; training keeps fp32 master weights and tau is measured with the weights as saved.
-    Returns a report dict (training summary, metrics). `prepare_only`: fill the feature cache
+    `init_from`: a trained head directory to start from (`init_from_head`). Returns a report dict (training summary,
+    metrics). `prepare_only`: fill the feature cache
     (`config.feature_cache_dir`) for the training conversations and return its counts, without training.
     """
     started = time.time()
@@ -664,6 +693,10 @@ def train_head(
             draft.d2t.copy_(d2t)
             # Start from the target's own output rows: the reduced head begins as an exact slice of the target's.
             draft.lm_head.weight.copy_(target.get_output_embeddings().weight[d2t.to(target.device)].float())
+    if init_from:
+        carried = init_from_head(draft, JakiroDraftModel.from_pretrained(init_from, dtype=torch.float32))
+        print(f"--init-from {init_from}: {carried}")
+        data_stats["init_from"] = f"{init_from} ({carried['lm_head rows carried over']} lm_head rows carried over)"
     check_output_dir(out, draft.config, overwrite, main_process=config.process_index == 0)
 
     trainer = JakiroTrainer(
@@ -763,6 +796,10 @@ def _finish(
         "max length": args.max_length,
         "wall time": f"{seconds:.0f} s",
     }
+    if args.unroll_steps:
+        summary["training-time test"] = f"{args.unroll_steps} unrolled steps, loss weight {args.unroll_loss_weight}^j"
+    if data_stats.get("init_from"):
+        summary["initialised from"] = data_stats["init_from"]
     if command:
         summary["command"] = command
     from .hub import build_model_card
@@ -823,6 +860,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prepare-features",
         action="store_true",
         help="only fill --feature-cache for the training data (no training), e.g. once on a big machine",
+    )
+    parser.add_argument(
+        "--init-from",
+        default=None,
+        metavar="HEAD_DIR",
+        help="start from this trained head of the same target (warm start; lm_head rows kept where the vocabularies "
+        "overlap)",
     )
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     parser.add_argument("--overwrite", action="store_true", help="replace a different head already in --out")
@@ -902,6 +946,7 @@ def run(args) -> int:
         command=_command(args),
         save_dtype=getattr(torch, args.save_dtype),
         prepare_only=args.prepare_features,
+        init_from=args.init_from,
     )
     return 0
 
