@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from . import verification
 from .drafting import JakiroCandidateGenerator, TreeSettings
 from .features import LastHiddenState
-from .kv_cache import keep_accepted, new_target_cache, truncate
+from .kv_cache import is_static, keep_accepted, new_target_cache, static_length, truncate
 from .logits import check_processors, process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree
@@ -188,6 +188,38 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
     return head if torch.allclose(reproduced, last_logits.float(), rtol=1e-3, atol=1e-3) else None
 
 
+def _target_cache(target, model_kwargs: dict, generation_config: GenerationConfig, max_nodes: int):
+    """The target's cache for this call: dynamic, or a StaticCache when `generate` prepared one
+    (`cache_implementation="static"`) or the caller passed an empty one.
+
+    The static cache `generate` builds holds `max_length - 1` positions, but a round writes a whole tree after the
+    accepted prefix, so it is replaced by one of transformers' own `StaticCache`s sized `max_length + max_nodes`. As
+    in `generate` (`_prepare_static_cache`), the size never shrinks from one call to the next on the same target: a
+    compiled forward then sees the same shapes whatever the prompt length, without recompiling. A cache passed in that
+    is large enough is used as it is."""
+    given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if not is_static(given):
+        return new_target_cache(target.config)
+    needed = max(generation_config.max_length + max_nodes, getattr(generation_config, "max_cache_len", None) or 0)
+    length = max(needed, getattr(target, "_jakiro_static_cache_length", 0))
+    if static_length(given) >= needed and not given.layers[0].is_initialized:
+        return given
+    target._jakiro_static_cache_length = length
+    return new_target_cache(target.config, static_length=length)
+
+
+def _verify_forward(target, cache, generation_config: GenerationConfig):
+    """The callable for fixed-shape verification forwards: the target's forward compiled by transformers' own
+    mechanism (`get_compiled_call` with `generation_config.compile_config`) whenever `generate` would compile its
+    decoding steps for this cache, device and config (`_valid_auto_compile_criteria`: a compileable cache on an
+    accelerator, or `CompileConfig` with `_compile_all_devices`; never with `disable_compile`); the target otherwise.
+    The prefill stays eager, as in `generate`: its shape changes with every prompt."""
+    # The criteria read the cache from model_kwargs under the forward's name: `past_key_values` (5.17) or `cache`.
+    if target._valid_auto_compile_criteria({"cache": cache, "past_key_values": cache}, generation_config):
+        return target.get_compiled_call(generation_config.compile_config)
+    return target
+
+
 @dataclass
 class VerifiedRound:
     """What one verification round accepted; tensors on the target's device, rows in path order (root first).
@@ -214,7 +246,17 @@ class VerifiedRound:
 
 
 def verify_tree(
-    target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool, leaf_head=None, padding=0
+    target,
+    cache,
+    cache_kwarg: str,
+    tree: DraftTree,
+    sequence,
+    processors,
+    do_sample: bool,
+    leaf_head=None,
+    padding=0,
+    past: int | None = None,
+    forward=None,
 ):
     """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
     depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
@@ -224,14 +266,24 @@ def verify_tree(
     see as the prefix. `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at
     most one leaf after. Host syncs: one copy of the path and its tokens, plus one in `process_tree_logits` when a
     processor depends on the prefix (and, on the lazy-leaf path, the index of internal nodes and the leaf check).
+
+    With a StaticCache the tree is written at `past` (the layers' `cumulative_length`), the mask spans the whole
+    static length, and the accepted path is moved into place by index copies. `past`: the cached length when the
+    caller knows it (a StaticCache reports it as a device tensor, which would cost a sync to read). `forward`: the
+    callable that runs the target (a compiled `target.__call__`); the target itself by default.
     """
-    past = cache.get_seq_length()
+    static = is_static(cache)
+    if past is None:
+        past = int(cache.get_seq_length())
+    forward = target if forward is None else forward
     internal = tree.internal_nodes() if leaf_head is not None else None
     with LastHiddenState(target) as hidden:
-        out = target(
+        out = forward(
             input_ids=tree.tokens[None],
             position_ids=tree.position_ids(past - padding),
-            attention_mask=tree.attention_mask(past, target.dtype, padding),
+            attention_mask=tree.attention_mask(
+                past, target.dtype, padding, kv_length=static_length(cache) if static else None
+            ),
             use_cache=True,
             **hidden.forward_kwargs(),
             **({} if internal is None else {"logits_to_keep": internal}),
@@ -308,8 +360,11 @@ def jakiro_decode(
     started = time.perf_counter()
     target_device = target.get_input_embeddings().weight.device
     sequence = input_ids.to(target_device)
-    cache = new_target_cache(target.config)
+    cache = _target_cache(target, model_kwargs, generation_config, settings.max_nodes)
     cache_kwarg = _cache_kwarg(target)
+    static = is_static(cache)
+    fixed_shape = static if settings.fixed_shape is None else bool(settings.fixed_shape)
+    forward = _verify_forward(target, cache, generation_config) if static and fixed_shape else target
     candidates = JakiroCandidateGenerator(draft, settings)
 
     def emit(tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
@@ -360,7 +415,8 @@ def jakiro_decode(
     candidates.set_features(features[0, padding:])
     if candidates.lookup is not None:  # the prompt and the first token, once; later rounds add their own tokens
         candidates.extend_context(torch.cat([sequence[0, padding:], first.to(sequence.device)]).tolist())
-    leaf_head = lazy_leaf_head(target, features[:, -1], last_logits)
+    # The lazy leaf path keeps logits for a data-dependent set of nodes: a shape that changes every round.
+    leaf_head = None if fixed_shape else lazy_leaf_head(target, features[:, -1], last_logits)
     del features
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first, first.tolist(), processed, raw)
@@ -368,10 +424,15 @@ def jakiro_decode(
     while not finished:
         tic = time.perf_counter()
         tree = candidates.get_candidates(sequence[:, padding:]).to_device(target_device)
+        if fixed_shape:
+            tree = tree.padded(settings.max_nodes)
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
-        verified = verify_tree(target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding)
+        past = sequence.shape[1] - 1  # the cache holds everything but the root, the last accepted token
+        verified = verify_tree(
+            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding, past, forward
+        )
         candidates.set_features(verified.features)
         stats.verify_time_s += time.perf_counter() - tic
         finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw)

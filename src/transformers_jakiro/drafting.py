@@ -23,7 +23,9 @@ class TreeSettings:
     top_k: children per node and nodes expanded per level. contrastive: build the last level from the
     contrastive (two-ahead) head, giving depth + 1 levels for depth forwards; False is the EAGLE-2-style ablation.
     lookup_tokens: length of the n-gram lookup chains grafted onto the tree (0: off; they come on top of
-    total_tokens). lookup_max_ngram: longest suffix n-gram matched. lookup_chains: distinct chains per round."""
+    total_tokens). lookup_max_ngram: longest suffix n-gram matched. lookup_chains: distinct chains per round.
+    fixed_shape: pad every round's tree to `max_nodes` with never-accepted dummy nodes, so that every verification
+    forward has one shape (one compiled graph serves them all); None: on exactly when the target's cache is static."""
 
     total_tokens: int
     depth: int
@@ -32,6 +34,12 @@ class TreeSettings:
     lookup_tokens: int = 0
     lookup_max_ngram: int = 3
     lookup_chains: int = 1
+    fixed_shape: bool | None = None
+
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes a round's tree can have: the root, `total_tokens` draft nodes and the lookup chains."""
+        return int(self.total_tokens) + 1 + int(self.lookup_tokens) * int(self.lookup_chains)
 
     @classmethod
     def resolve(cls, draft: JakiroDraftModel, **overrides) -> "TreeSettings":
