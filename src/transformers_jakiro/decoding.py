@@ -493,14 +493,22 @@ def jakiro_generate(
     top_k: int | None = None,
     contrastive: bool | None = None,
     lookup_tokens: int | None = None,
+    fixed_shape: bool | None = None,
     **model_kwargs,
 ):
     """`custom_generate` entry point: `target.generate(**inputs, custom_generate=jakiro_generate, draft=draft,
-    total_tokens=60, depth=5, top_k=10, lookup_tokens=10)`. Tree settings default to `draft.config`."""
+    total_tokens=60, depth=5, top_k=10, lookup_tokens=10)`. Tree settings default to `draft.config`; `fixed_shape`
+    (default: on with `cache_implementation="static"`) pads every round's tree to one size."""
     if draft is None:
         raise ValueError("jakiro_generate needs `draft=`, a JakiroDraftModel for this target.")
     settings = TreeSettings.resolve(
-        draft, total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=contrastive, lookup_tokens=lookup_tokens
+        draft,
+        total_tokens=total_tokens,
+        depth=depth,
+        top_k=top_k,
+        contrastive=contrastive,
+        lookup_tokens=lookup_tokens,
+        fixed_shape=fixed_shape,
     )
     if streamer is None:
         streamer = _streamer_of_running_generate(model)
