@@ -1,4 +1,5 @@
-"""The H200 round-cost script runs end to end on the CPU at a tiny shape (so it cannot rot between GPU sessions)."""
+"""The H200 round-cost script runs end to end on the CPU at a tiny shape (so it cannot rot between GPU sessions),
+compiled pair included (inductor on the CPU)."""
 
 import importlib.util
 from pathlib import Path
@@ -17,3 +18,5 @@ def test_round_cost_script_tiny_cpu(tmp_path):
     assert result["tree"] == {"total_tokens": 60, "depth": 5, "top_k": 10, "levels": 6}
     assert result["plain_step_ms"] > 0 and result["jakiro_round_ms"] > 0
     assert result["round_over_plain"] == round(result["jakiro_round_ms"] / result["plain_step_ms"], 3)
+    assert result["plain_compiled_step_ms"] > 0 and result["jakiro_compiled_round_ms"] > 0
+    assert result["verified_nodes"] == 61 and result["static_cache_length"] >= 32 + 61
