@@ -1,7 +1,7 @@
 """Compiled Jakiro decoding on CPU (inductor): `generate(..., assistant_model=draft, cache_implementation="static",
 compile_config=...)` runs every verification round through the target's forward compiled by transformers
-(`get_compiled_call`), one graph for every round and every prompt, with greedy output token-identical to plain
-generate and to eager Jakiro.
+(`get_compiled_call`) and every draft level through the compiled draft step: two graphs for every round and every
+prompt, with greedy output token-identical to plain generate and to eager Jakiro.
 
 Compiling is expensive on 2 CPU cores (tens of seconds per model), so each architecture's target is compiled once,
 in a module-scoped fixture, and every check runs against it."""
@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from tiny_models import make_target, quick_trained_draft, random_prompt
-from transformers_jakiro import tree_settings
+from transformers_jakiro import drafting, tree_settings
 
 pytestmark = pytest.mark.compile
 
@@ -41,7 +41,8 @@ def compiled(request):
             torch.tensor([[5, 9, 33, 5, 9]]), do_sample=False, max_new_tokens=8, assistant_model=draft,
             cache_implementation="static", compile_config=config, max_cache_len=MAX_CACHE_LEN,
         )
-    assert counters["stats"]["unique_graphs"] == graphs + 1  # the verify forward, compiled once, without breaks
+    # the verify forward and the draft step, each compiled once, without graph breaks
+    assert counters["stats"]["unique_graphs"] == graphs + 2
     yield target, draft, config
     torch._dynamo.reset()
 
@@ -51,6 +52,9 @@ def test_compiled_greedy_identical_and_never_recompiled(compiled, monkeypatch):
     # Count the rounds that went through the compiled forward (every round but the eager prefill).
     compiled_call, calls = target._compiled_call, []
     monkeypatch.setattr(target, "_compiled_call", lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs))
+    steps = []
+    for key, step in list(drafting._COMPILED_STEPS.items()):
+        monkeypatch.setitem(drafting._COMPILED_STEPS, key, lambda *a, _step=step, **k: steps.append(1) or _step(*a, **k))
     graphs = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(11)
     rounds, accepted = 0, set()
@@ -75,15 +79,18 @@ def test_compiled_greedy_identical_and_never_recompiled(compiled, monkeypatch):
         assert torch.equal(got, expected), f"prompt {i}"
     assert counters["stats"]["unique_graphs"] == graphs  # prompts of other lengths, rounds of other acceptances
     assert len(calls) == rounds > 0
+    assert len(steps) >= rounds  # at least one compiled draft step per drafting round (lookup-only rounds have none)
     assert len(accepted) >= 2 and max(accepted) >= 2  # rounds really differed in what they kept
 
 
 def test_compile_follows_transformers_criteria(compiled, monkeypatch):
     """Without `compile_config` on a CPU (or with `disable_compile`), generate would not compile: neither does
-    Jakiro; its rounds then run the target eagerly."""
+    Jakiro; its rounds then run the target and the draft eagerly."""
     target, draft, config = compiled
     compiled_call, calls = target._compiled_call, []
     monkeypatch.setattr(target, "_compiled_call", lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs))
+    for key, step in list(drafting._COMPILED_STEPS.items()):
+        monkeypatch.setitem(drafting._COMPILED_STEPS, key, lambda *a, _step=step, **k: calls.append(2) or _step(*a, **k))
     prompt = torch.tensor([[7, 8, 9, 10]])
     with tree_settings(draft, **TREE):
         target.generate(prompt, do_sample=False, max_new_tokens=6, assistant_model=draft, cache_implementation="static")

@@ -1,5 +1,6 @@
 """`generate(..., assistant_model=draft, cache_implementation="static")`: the tree is verified into transformers'
-StaticCache, every round padded to one shape, and greedy output stays token-identical to plain generate."""
+StaticCache, every round padded to one shape, the draft runs over its own static cache in fixed-shape steps, and
+greedy output stays token-identical to plain generate (the draft's trees identical to the dynamic path's)."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from transformers.cache_utils import DynamicCache
 from tiny_models import make_target, quick_trained_draft, random_prompt
 from transformers_jakiro import tree_settings, verification
 from transformers_jakiro.decoding import _cache_kwarg
+from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.kv_cache import keep_accepted, new_target_cache, truncate
 from transformers_jakiro.tree import DraftTree, ancestor_matrix
 
@@ -42,8 +44,12 @@ def test_static_greedy_identical_to_plain_and_to_dynamic_jakiro(arch, pairs):
         expected = target.generate(prompt, **kwargs)
         with tree_settings(draft, total_tokens=total_tokens, depth=depth, top_k=top_k, lookup_tokens=lookup):
             dynamic = target.generate(prompt, assistant_model=draft, **kwargs)
+            dynamic_stats = draft.last_generation_stats
             static = target.generate(prompt, assistant_model=draft, cache_implementation="static", **kwargs)
             accepted += draft.last_generation_stats.accepted_lengths
+            # The static draft (its own static cache, k-row reads and levels) drafts the same trees: same acceptance.
+            assert draft.last_generation_stats.accepted_lengths == dynamic_stats.accepted_lengths, f"prompt {i}"
+            assert draft.last_generation_stats.lookup_accepted == dynamic_stats.lookup_accepted, f"prompt {i}"
             with tree_settings(draft, fixed_shape=False):  # unpadded trees into the static cache
                 unpadded = target.generate(prompt, assistant_model=draft, cache_implementation="static", **kwargs)
         assert torch.equal(dynamic, expected), f"prompt {i}"
@@ -151,3 +157,29 @@ def test_sliding_window_static_cache_is_refused():
     with pytest.raises(ValueError, match="sliding-window"):
         new_target_cache(target.config, static_length=32)
     assert isinstance(new_target_cache(make_target("llama").config), DynamicCache)
+
+
+@pytest.mark.parametrize("top_k", [3, 1])
+def test_static_draft_expands_the_same_trees(pairs, top_k):
+    """Round after round, the draft over its static cache (fixed k-row steps, reads in k-row chunks with padding)
+    proposes exactly the trees of the dynamic draft; reads of 1 to 5 positions cover one chunk, several chunks and a
+    padded last chunk."""
+    target, draft = pairs("llama")
+    draft.bind_target(target)
+    settings = TreeSettings.resolve(draft, total_tokens=12, depth=3, top_k=top_k)
+    dynamic = JakiroCandidateGenerator(draft, settings)
+    static = JakiroCandidateGenerator(draft, settings, static_length=64)
+    sequence = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        features = target(sequence, output_hidden_states=True).hidden_states[-1][0]
+    past = 0
+    for read in [10, 1, 2, 5, 3, 4]:  # positions read per round: the prompt, then each round's accepted ones
+        trees = []
+        for generator in (dynamic, static):
+            generator.set_features(features[past : past + read])
+            trees.append(generator.get_candidates(sequence[:, : past + read + 1]))
+        past += read
+        assert torch.equal(trees[0].tokens, trees[1].tokens), f"after {past}"
+        assert torch.equal(trees[0].parents, trees[1].parents), f"after {past}"
+        torch.testing.assert_close(trees[0].scores, trees[1].scores, rtol=1e-5, atol=1e-5)
+        assert dynamic.cached_length() == static.cached_length() == past

@@ -1,7 +1,8 @@
 """Cost of one full Jakiro round against one plain decode step, random weights at Llama-2-7B shape, eager and compiled.
 
 Sized for one H200 with no network (random bf16 weights, nothing downloaded; the eager pair takes about 2 minutes
-including start-up, the compiled pair adds two inductor compilations of the target's forward, one per shape):
+including start-up; the compiled pair adds three inductor compilations: the target's forward at two shapes and the
+draft step):
 
     python benchmarks/gpu/round_cost.py --out benchmarks/results/gpu/round_cost.json
 
@@ -15,8 +16,9 @@ Four timings, each per decode step or round at a fixed context:
                       tree in one forward, logits are checked, the target cache is compacted to the accepted path and
                       the accepted tokens come back to the host;
   * Jakiro compiled:  the same round as `generate(..., assistant_model=draft, cache_implementation="static")` runs
-                      it: the tree padded to its fixed size, verified into a StaticCache through the compiled forward,
-                      the path moved by index copies (the draft runs eagerly).
+                      it: the draft over its own static cache in compiled fixed-shape steps, the tree padded to its
+                      fixed size, verified into a StaticCache through the compiled forward, the path moved by index
+                      copies.
 Context length stays fixed: every timed step is undone before the next one. `--shape tiny --device cpu` runs the
 same code in about a minute on a CPU (inductor included; used by the test suite); `--no-compile` leaves out the
 compiled pair.
@@ -34,7 +36,7 @@ from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig, Logit
 
 from transformers_jakiro import JakiroDraftModel
 from transformers_jakiro.decoding import _cache_kwarg, verify_tree
-from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
+from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
 from transformers_jakiro.kv_cache import new_target_cache, truncate
 from transformers_jakiro.tree import DraftTree
 
@@ -147,7 +149,8 @@ def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int
     device = prompt.device
     context = prompt.shape[1]
     cache_kwarg = _cache_kwarg(target)
-    forward = target.get_compiled_call(compile_config(device))
+    config = compile_config(device)
+    forward = target.get_compiled_call(config)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     length = context + settings.max_nodes + 8  # both caches alike: one mask width
 
@@ -175,18 +178,28 @@ def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int
     sequence = torch.cat([prompt, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     features = out.hidden_states[-1][0]
     del out
-    candidates = JakiroCandidateGenerator(draft, settings)
+    # The draft as decoding sets it up next to a compiled target: its own static cache, compiled k-row steps.
+    candidates = JakiroCandidateGenerator(
+        draft, settings, static_length=length + settings.top_k * (settings.depth + 1), step=compiled_draft_step(config)
+    )
     candidates.set_features(features[:-1])
     candidates.get_candidates(sequence[:, :-1])
-    stable = candidates.cache.get_seq_length()
+    stable = candidates.cached_length()
+    parts = {"draft": [], "verify": []}
 
     def jakiro_round():
-        truncate(candidates.cache, stable)
+        candidates.rewind(stable)
         candidates.set_features(features[-1:])
+        start = time.perf_counter()
         tree: DraftTree = candidates.get_candidates(sequence).padded(settings.max_nodes)
+        sync()
+        middle = time.perf_counter()
         verified = verify_tree(target, cache, cache_kwarg, tree, sequence, LogitsProcessorList(), False,
                                past=context, forward=forward)
         candidates.set_features(verified.features)
+        sync()
+        parts["draft"].append(1000 * (middle - start))
+        parts["verify"].append(1000 * (time.perf_counter() - middle))
         truncate(cache, context)
 
     start = time.perf_counter()
@@ -197,6 +210,8 @@ def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int
     return {
         "plain_compiled_step_ms": round(statistics.median(plain), 3),
         "jakiro_compiled_round_ms": round(statistics.median(rounds), 3),
+        "draft_compiled_ms": round(statistics.median(parts["draft"][warmup + 1 :]), 3),
+        "verify_compiled_ms": round(statistics.median(parts["verify"][warmup + 1 :]), 3),
         "compile_s": {"plain": round(plain_compile_s, 1), "jakiro": round(round_compile_s, 1)},
         "static_cache_length": length,
         "verified_nodes": settings.max_nodes,

@@ -17,7 +17,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from . import verification
-from .drafting import JakiroCandidateGenerator, TreeSettings
+from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
 from .features import LastHiddenState
 from .kv_cache import is_static, keep_accepted, new_target_cache, static_length, truncate
 from .logits import check_processors, process_tree_logits
@@ -208,6 +208,19 @@ def _target_cache(target, model_kwargs: dict, generation_config: GenerationConfi
     return new_target_cache(target.config, static_length=length)
 
 
+def _candidate_generator(target, draft, settings, cache, fixed_shape: bool, compiled: bool, generation_config):
+    """The draft side follows the target's: with a static cache and fixed shapes the draft gets a static cache too
+    (long enough for the target's positions plus a tree's levels and one read chunk), and when the target's verify
+    forward is compiled so is the draft's fixed-shape step, with the same `CompileConfig`."""
+    if not (is_static(cache) and fixed_shape):
+        return JakiroCandidateGenerator(draft, settings)
+    length = static_length(cache) + settings.top_k * (settings.depth + 1)
+    step = None
+    if compiled:
+        step = compiled_draft_step(generation_config.compile_config or target._default_compile_config())
+    return JakiroCandidateGenerator(draft, settings, static_length=length, step=step)
+
+
 def _verify_forward(target, cache, generation_config: GenerationConfig):
     """The callable for fixed-shape verification forwards: the target's forward compiled by transformers' own
     mechanism (`get_compiled_call` with `generation_config.compile_config`) whenever `generate` would compile its
@@ -365,7 +378,7 @@ def jakiro_decode(
     static = is_static(cache)
     fixed_shape = static if settings.fixed_shape is None else bool(settings.fixed_shape)
     forward = _verify_forward(target, cache, generation_config) if static and fixed_shape else target
-    candidates = JakiroCandidateGenerator(draft, settings)
+    candidates = _candidate_generator(target, draft, settings, cache, fixed_shape, forward is not target, generation_config)
 
     def emit(tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
         """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends.

@@ -14,7 +14,7 @@ Sliding-window, quantized or linear-attention layers cannot be edited along the 
 """
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache, StaticLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
 
 
 def new_target_cache(config, static_length: int | None = None) -> DynamicCache | StaticCache:
@@ -25,8 +25,17 @@ def new_target_cache(config, static_length: int | None = None) -> DynamicCache |
     return cache
 
 
+def new_draft_cache(static_length: int) -> Cache:
+    """A static cache for the one-layer Jakiro draft: transformers' `StaticLayer` in a plain `Cache` (StaticCache
+    reads its layer layout from a decoder config, which the draft's config is not)."""
+    return Cache(layers=[StaticLayer(max_cache_len=static_length)])
+
+
 def is_static(cache) -> bool:
-    return isinstance(cache, StaticCache)
+    """A StaticCache, or any cache made of full-attention static layers (the draft's)."""
+    if isinstance(cache, StaticCache):
+        return True
+    return isinstance(cache, Cache) and len(cache.layers) > 0 and all(type(l) is StaticLayer for l in cache.layers)
 
 
 def check_cache_supported(cache, what: str = "This cache") -> None:
@@ -94,4 +103,12 @@ def truncate(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-__all__ = ["check_cache_supported", "is_static", "keep_accepted", "new_target_cache", "static_length", "truncate"]
+__all__ = [
+    "check_cache_supported",
+    "is_static",
+    "keep_accepted",
+    "new_draft_cache",
+    "new_target_cache",
+    "static_length",
+    "truncate",
+]
