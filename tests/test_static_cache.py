@@ -183,3 +183,20 @@ def test_static_draft_expands_the_same_trees(pairs, top_k):
         assert torch.equal(trees[0].parents, trees[1].parents), f"after {past}"
         torch.testing.assert_close(trees[0].scores, trees[1].scores, rtol=1e-5, atol=1e-5)
         assert dynamic.cached_length() == static.cached_length() == past
+
+
+def test_static_cache_passed_to_generate(pairs):
+    """A StaticCache of the caller's is filled in place when large enough (as plain generate fills it), and refused
+    with a clear error when a tree would not fit."""
+    target, draft = pairs("llama")
+    prompt = torch.tensor([[5, 9, 33, 17]])
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=20)
+    with tree_settings(draft, total_tokens=10, depth=3, top_k=3):
+        cache = StaticCache(config=target.config, max_cache_len=64)
+        got = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=draft,
+                              **{_cache_kwarg(target): cache})
+        assert torch.equal(got, expected)
+        assert int(cache.get_seq_length()) == got.shape[1] - 1
+        with pytest.raises(ValueError, match="needs 35"):  # max_length 24 + 11 tree nodes
+            target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=draft,
+                            **{_cache_kwarg(target): StaticCache(config=target.config, max_cache_len=30)})

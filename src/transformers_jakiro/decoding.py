@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from . import verification
 from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
 from .features import LastHiddenState
-from .kv_cache import is_static, keep_accepted, new_target_cache, static_length, truncate
+from .kv_cache import check_cache_supported, is_static, keep_accepted, new_target_cache, static_length, truncate
 from .logits import check_processors, process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree
@@ -189,21 +189,28 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
 
 
 def _target_cache(target, model_kwargs: dict, generation_config: GenerationConfig, max_nodes: int):
-    """The target's cache for this call: dynamic, or a StaticCache when `generate` prepared one
-    (`cache_implementation="static"`) or the caller passed an empty one.
+    """The target's cache for this call: dynamic, or static with `cache_implementation="static"` or a StaticCache
+    passed to generate.
 
     The static cache `generate` builds holds `max_length - 1` positions, but a round writes a whole tree after the
-    accepted prefix, so it is replaced by one of transformers' own `StaticCache`s sized `max_length + max_nodes`. As
-    in `generate` (`_prepare_static_cache`), the size never shrinks from one call to the next on the same target: a
-    compiled forward then sees the same shapes whatever the prompt length, without recompiling. A cache passed in that
-    is large enough is used as it is."""
+    accepted prefix, so it is replaced by one of transformers' own `StaticCache`s of `max_length + max_nodes`
+    positions (at least `max_cache_len`). As in `generate` (`_prepare_static_cache`), the size never shrinks from one
+    call to the next on the same target: a compiled forward then keeps its shapes whatever the prompt length. A
+    StaticCache the caller passed is used as it is (and so filled, as in plain generate), if it is large enough."""
     given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if not is_static(given):
         return new_target_cache(target.config)
     needed = max(generation_config.max_length + max_nodes, getattr(generation_config, "max_cache_len", None) or 0)
-    length = max(needed, getattr(target, "_jakiro_static_cache_length", 0))
-    if static_length(given) >= needed and not given.layers[0].is_initialized:
+    if getattr(given, "_is_user_defined", False):  # set by generate on a cache passed in (5.17 and 5.24)
+        check_cache_supported(given, what="The cache passed to generate")
+        if static_length(given) < needed:
+            raise ValueError(
+                f"The StaticCache passed to generate holds {static_length(given)} positions; Jakiro decoding writes a "
+                f"whole tree after the prefix and needs {needed} (max_length + {max_nodes} tree nodes). Pass a larger "
+                "cache, or cache_implementation='static' instead of a cache."
+            )
         return given
+    length = max(needed, getattr(target, "_jakiro_static_cache_length", 0))
     target._jakiro_static_cache_length = length
     return new_target_cache(target.config, static_length=length)
 
@@ -378,7 +385,8 @@ def jakiro_decode(
     static = is_static(cache)
     fixed_shape = static if settings.fixed_shape is None else bool(settings.fixed_shape)
     forward = _verify_forward(target, cache, generation_config) if static and fixed_shape else target
-    candidates = _candidate_generator(target, draft, settings, cache, fixed_shape, forward is not target, generation_config)
+    compiled = forward is not target
+    candidates = _candidate_generator(target, draft, settings, cache, fixed_shape, compiled, generation_config)
 
     def emit(tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
         """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends.

@@ -163,11 +163,13 @@ class JakiroCandidateGenerator:
 
     def _visible_to_mask(self, visible: torch.BoolTensor) -> torch.Tensor:
         dtype = self.draft.fc.weight.dtype
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        return mask.masked_fill(~visible, torch.finfo(dtype).min)
 
     def _run_static(self, tokens, features, positions, visible):
         """One fixed-shape forward; outputs cloned, as a compiled step with CUDA graphs reuses its output buffers."""
-        outputs = self._step(self.draft, self.cache, tokens, features, positions, self._visible_to_mask(visible), self.top_k)
+        mask = self._visible_to_mask(visible)
+        outputs = self._step(self.draft, self.cache, tokens, features, positions, mask, self.top_k)
         return tuple(None if t is None else t.clone() for t in outputs)
 
     def _read(self, next_tokens: torch.LongTensor, features: torch.Tensor, past: int):
@@ -175,7 +177,9 @@ class JakiroCandidateGenerator:
         of the last one, each with one row."""
         contrastive = self.settings.contrastive
         if not self.static or past == 0:  # the prompt (any length) runs eagerly: causal, no mask, last row kept
-            out = self.draft(input_ids=next_tokens[None], hidden_states=features[None], cache=self.cache, features_to_keep=1)
+            out = self.draft(
+                input_ids=next_tokens[None], hidden_states=features[None], cache=self.cache, features_to_keep=1
+            )
             left = out.last_hidden_state[0]
             right = out.contrastive_hidden_state[0] if contrastive else None
             self._length = past + features.shape[0]
@@ -252,7 +256,8 @@ class JakiroCandidateGenerator:
 
         for level in range(2, settings.depth + 1):
             # a node reads its parent's predicted feature; log_probs, tokens: [k, k]
-            left, right, log_probs, tokens = self._level(kept_tokens, left[kept_rows], stable - 2 + level, stable, visible)
+            position = stable - 2 + level
+            left, right, log_probs, tokens = self._level(kept_tokens, left[kept_rows], position, stable, visible)
             scores = kept_scores[:, None] + log_probs
             index = recorder.add_level(tokens, kept_index[:, None].expand(k, k), scores, depth=level)
             best = scores.flatten().topk(k).indices

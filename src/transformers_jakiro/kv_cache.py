@@ -20,7 +20,10 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCa
 def new_target_cache(config, static_length: int | None = None) -> DynamicCache | StaticCache:
     """A fresh cache laid out for `config`: a DynamicCache, or with `static_length` a StaticCache of that many
     positions; refused with a clear error if any layer is not full attention."""
-    cache = DynamicCache(config=config) if static_length is None else StaticCache(config=config, max_cache_len=static_length)
+    if static_length is None:
+        cache = DynamicCache(config=config)
+    else:
+        cache = StaticCache(config=config, max_cache_len=static_length)
     check_cache_supported(cache, what=f"The target ({config.model_type})")
     return cache
 
