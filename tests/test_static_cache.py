@@ -159,14 +159,14 @@ def test_sliding_window_static_cache_is_refused():
     assert isinstance(new_target_cache(make_target("llama").config), DynamicCache)
 
 
-@pytest.mark.parametrize("top_k", [3, 1])
-def test_static_draft_expands_the_same_trees(pairs, top_k):
+@pytest.mark.parametrize("top_k, contrastive", [(3, True), (1, True), (3, False)])
+def test_static_draft_expands_the_same_trees(pairs, top_k, contrastive):
     """Round after round, the draft over its static cache (fixed k-row steps, reads in k-row chunks with padding)
     proposes exactly the trees of the dynamic draft; reads of 1 to 5 positions cover one chunk, several chunks and a
     padded last chunk."""
     target, draft = pairs("llama")
     draft.bind_target(target)
-    settings = TreeSettings.resolve(draft, total_tokens=12, depth=3, top_k=top_k)
+    settings = TreeSettings.resolve(draft, total_tokens=12, depth=3, top_k=top_k, contrastive=contrastive)
     dynamic = JakiroCandidateGenerator(draft, settings)
     static = JakiroCandidateGenerator(draft, settings, static_length=64)
     sequence = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(5))
