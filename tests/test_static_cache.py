@@ -52,9 +52,12 @@ def test_static_greedy_identical_to_plain_and_to_dynamic_jakiro(arch, pairs):
             assert draft.last_generation_stats.lookup_accepted == dynamic_stats.lookup_accepted, f"prompt {i}"
             with tree_settings(draft, fixed_shape=False):  # unpadded trees into the static cache
                 unpadded = target.generate(prompt, assistant_model=draft, cache_implementation="static", **kwargs)
+            with tree_settings(draft, fixed_shape=True):  # padded trees into a dynamic cache
+                padded = target.generate(prompt, assistant_model=draft, **kwargs)
         assert torch.equal(dynamic, expected), f"prompt {i}"
         assert torch.equal(static, expected), f"prompt {i}"
         assert torch.equal(unpadded, expected), f"prompt {i}"
+        assert torch.equal(padded, expected), f"prompt {i}"
     assert max(accepted) >= 3  # multi-token paths were moved into place
 
 
