@@ -232,8 +232,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-compile", action="store_true", help="time the eager pair only")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     result = measure(args.shape, args.device, getattr(torch, args.dtype), args.context, args.total_tokens,
                      args.depth, args.top_k, args.repeats, args.warmup, compiled=not args.no_compile)
+    result["wall_s"] = round(time.perf_counter() - started, 1)  # model creation and compilations included
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
