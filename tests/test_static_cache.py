@@ -203,3 +203,13 @@ def test_static_cache_passed_to_generate(pairs):
         with pytest.raises(ValueError, match="needs 35"):  # max_length 24 + 11 tree nodes
             target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=draft,
                             **{_cache_kwarg(target): StaticCache(config=target.config, max_cache_len=30)})
+
+
+def test_offloaded_static_cache_is_refused(pairs):
+    """`cache_implementation="offloaded_static"` needs CUDA streams; its cache is marked `offloading`, which is what
+    the check reads (set by hand here, on a CPU)."""
+    target, draft = pairs("llama")
+    cache = StaticCache(config=target.config, max_cache_len=64)
+    cache.offloading = True
+    with pytest.raises(ValueError, match="offloaded static"):
+        target.generate(torch.tensor([[5, 9]]), max_new_tokens=3, assistant_model=draft, **{_cache_kwarg(target): cache})

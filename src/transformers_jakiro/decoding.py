@@ -200,6 +200,11 @@ def _target_cache(target, model_kwargs: dict, generation_config: GenerationConfi
     given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if not is_static(given):
         return new_target_cache(target.config)
+    if getattr(given, "offloading", False):
+        raise ValueError(
+            "Jakiro decoding does not support offloaded static caches (cache_implementation='offloaded_static'): it "
+            "moves the accepted path inside each layer's tensors. Use cache_implementation='static'."
+        )
     needed = max(generation_config.max_length + max_nodes, getattr(generation_config, "max_cache_len", None) or 0)
     if getattr(given, "_is_user_defined", False):  # set by generate on a cache passed in (5.17 and 5.24)
         check_cache_supported(given, what="The cache passed to generate")
