@@ -30,7 +30,8 @@ def compile_config() -> CompileConfig:
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def compiled(request):
-    """(target, draft, config, prompts) after one warm-up generate that compiled the target's verify forward."""
+    """(target, draft, config) after one warm-up generate that compiled the target's verify forward and the draft
+    step."""
     torch._dynamo.reset()
     target = make_target(request.param)
     draft = quick_trained_draft(target, steps=150)
