@@ -20,8 +20,8 @@ Four timings, each per decode step or round at a fixed context:
                       fixed size, verified into a StaticCache through the compiled forward, the path moved by index
                       copies.
 Context length stays fixed: every timed step is undone before the next one. `--shape tiny --device cpu` runs the
-same code in about a minute on a CPU (inductor included; used by the test suite); `--no-compile` leaves out the
-compiled pair.
+same code on a CPU (used by the test suite, with `--compile-backend eager`: dynamo traces the same full graphs
+without inductor's code generation, seconds instead of a minute); `--no-compile` leaves out the compiled pair.
 """
 
 import argparse
@@ -65,7 +65,7 @@ def timed(fn, device, repeats: int, warmup: int) -> list[float]:
 
 @torch.no_grad()
 def measure(shape: str, device: str, dtype: torch.dtype, context: int, total_tokens: int, depth: int, top_k: int,
-            repeats: int, warmup: int, compiled: bool = True) -> dict:
+            repeats: int, warmup: int, compiled: bool = True, backend: str = "inductor") -> dict:
     device = torch.device(device)
     torch.manual_seed(0)
     with device:
@@ -115,7 +115,7 @@ def measure(shape: str, device: str, dtype: torch.dtype, context: int, total_tok
     rounds = timed(jakiro_round, device, repeats, warmup)
     median = statistics.median
     if compiled:
-        compiled_times = measure_compiled(target, draft, settings, prompt, repeats, warmup)
+        compiled_times = measure_compiled(target, draft, settings, prompt, repeats, warmup, backend)
     result = {
         "shape": shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.platform(),
         "dtype": str(dtype).replace("torch.", ""), "context": context,
@@ -133,23 +133,24 @@ def measure(shape: str, device: str, dtype: torch.dtype, context: int, total_tok
     return result
 
 
-def compile_config(device: torch.device) -> CompileConfig:
+def compile_config(device: torch.device, backend: str = "inductor") -> CompileConfig:
     """transformers' default for static-cache generation on an accelerator; on a CPU (tests) inductor without CUDA
     graphs, enabled the way transformers allows it there. `dynamic=False`: the plain step (1 token) and the verify
     (the padded tree) get one static graph each, instead of a second compile that would make the length symbolic."""
     if device.type == "cuda":
-        return CompileConfig(fullgraph=True, dynamic=False)
-    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+        return CompileConfig(fullgraph=True, dynamic=False, backend=backend)
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="default", backend=backend)
     config._compile_all_devices = True
     return config
 
 
-def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int, warmup: int) -> dict:
+def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int, warmup: int,
+                     backend: str = "inductor") -> dict:
     """Plain step and Jakiro round over StaticCaches through the target's compiled forward (see the module doc)."""
     device = prompt.device
     context = prompt.shape[1]
     cache_kwarg = _cache_kwarg(target)
-    config = compile_config(device)
+    config = compile_config(device, backend)
     forward = target.get_compiled_call(config)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     length = context + settings.max_nodes + 8  # both caches alike: one mask width
@@ -214,6 +215,7 @@ def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int
         "verify_compiled_ms": round(statistics.median(parts["verify"][warmup + 1 :]), 3),
         "compile_s": {"plain": round(plain_compile_s, 1), "jakiro": round(round_compile_s, 1)},
         "static_cache_length": length,
+        "compile_backend": backend,
         "verified_nodes": settings.max_nodes,
     }
 
@@ -230,11 +232,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="time the eager pair only")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compiled pair (the CPU test uses 'eager': same code, no codegen)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     result = measure(args.shape, args.device, getattr(torch, args.dtype), args.context, args.total_tokens,
-                     args.depth, args.top_k, args.repeats, args.warmup, compiled=not args.no_compile)
+                     args.depth, args.top_k, args.repeats, args.warmup, compiled=not args.no_compile,
+                     backend=args.compile_backend)
     result["wall_s"] = round(time.perf_counter() - started, 1)  # model creation and compilations included
     text = json.dumps(result, indent=2)
     print(text)
