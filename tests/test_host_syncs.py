@@ -133,3 +133,11 @@ def test_syncs_per_round_with_ngram_lookup(pair, monkeypatch):
     print("syncs per round:", per_round, "lookup rounds:", draft.last_generation_stats.lookup_rounds)
     assert draft.last_generation_stats.lookup_rounds > 0
     assert max(per_round) <= ROUND_LIMIT + 1
+
+
+def test_syncs_per_round_static_cache(pair, monkeypatch):
+    """The static path (fixed-shape trees written into a StaticCache, the path moved by index copies) syncs no more:
+    the cached length is known on the host, the layers' device-side lengths are set without being read."""
+    per_round = count_round_syncs(*pair, monkeypatch, cache_implementation="static")
+    print("syncs per round (static):", per_round)
+    assert max(per_round) <= ROUND_LIMIT

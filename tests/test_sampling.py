@@ -154,10 +154,12 @@ def test_wrong_acceptance_rule_is_detected(target_and_draft, monkeypatch):
     assert chi_square_p_value(counts, probs) < 1e-6
 
 
-def test_generate_entry_point_samples_the_same_distribution(target_and_draft, monkeypatch):
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_generate_entry_point_samples_the_same_distribution(target_and_draft, monkeypatch, cache_implementation):
     """Through target.generate(do_sample=True, temperature=..., assistant_model=draft): first two tokens. This one
     keeps the full logits of every tree node (the accelerator path); the tests above run the CPU path, where leaves'
-    logits are computed only when the accepted path ends there."""
+    logits are computed only when the accepted path ends there. With cache_implementation="static" the trees are
+    verified into a StaticCache, padded to one size with dummy nodes (sampled too, never accepted)."""
     from transformers_jakiro import decoding
 
     monkeypatch.setattr(decoding, "lazy_leaf_head", lambda *args: None)
@@ -169,6 +171,9 @@ def test_generate_entry_point_samples_the_same_distribution(target_and_draft, mo
     torch.manual_seed(99)
     with tree_settings(draft, total_tokens=10, depth=2, top_k=3):
         for _ in range(2000):
-            out = target.generate(PROMPT, do_sample=True, temperature=0.8, max_new_tokens=2, assistant_model=draft)
+            out = target.generate(
+                PROMPT, do_sample=True, temperature=0.8, max_new_tokens=2, assistant_model=draft,
+                cache_implementation=cache_implementation,
+            )
             counts[out[0, 3] * VOCAB + out[0, 4]] += 1
     assert chi_square_p_value(counts, probs) > 1e-4

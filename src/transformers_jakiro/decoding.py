@@ -17,9 +17,9 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from . import verification
-from .drafting import JakiroCandidateGenerator, TreeSettings
+from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
 from .features import LastHiddenState
-from .kv_cache import keep_accepted, new_target_cache, truncate
+from .kv_cache import check_cache_supported, is_static, keep_accepted, new_target_cache, static_length, truncate
 from .logits import check_processors, process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree
@@ -188,6 +188,63 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
     return head if torch.allclose(reproduced, last_logits.float(), rtol=1e-3, atol=1e-3) else None
 
 
+def _target_cache(target, model_kwargs: dict, generation_config: GenerationConfig, max_nodes: int):
+    """The target's cache for this call: dynamic, or static with `cache_implementation="static"` or a StaticCache
+    passed to generate.
+
+    The static cache `generate` builds holds `max_length - 1` positions, but a round writes a whole tree after the
+    accepted prefix, so it is replaced by one of transformers' own `StaticCache`s of `max_length + max_nodes`
+    positions (at least `max_cache_len`). As in `generate` (`_prepare_static_cache`), the size never shrinks from one
+    call to the next on the same target: a compiled forward then keeps its shapes whatever the prompt length. A
+    StaticCache the caller passed is used as it is (and so filled, as in plain generate), if it is large enough."""
+    given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if not is_static(given):
+        return new_target_cache(target.config)
+    if getattr(given, "offloading", False):
+        raise ValueError(
+            "Jakiro decoding does not support offloaded static caches (cache_implementation='offloaded_static'): it "
+            "moves the accepted path inside each layer's tensors. Use cache_implementation='static'."
+        )
+    needed = max(generation_config.max_length + max_nodes, getattr(generation_config, "max_cache_len", None) or 0)
+    if getattr(given, "_is_user_defined", False):  # set by generate on a cache passed in (5.17 and 5.24)
+        check_cache_supported(given, what="The cache passed to generate")
+        if static_length(given) < needed:
+            raise ValueError(
+                f"The StaticCache passed to generate holds {static_length(given)} positions; Jakiro decoding writes a "
+                f"whole tree after the prefix and needs {needed} (max_length + {max_nodes} tree nodes). Pass a larger "
+                "cache, or cache_implementation='static' instead of a cache."
+            )
+        return given
+    length = max(needed, getattr(target, "_jakiro_static_cache_length", 0))
+    target._jakiro_static_cache_length = length
+    return new_target_cache(target.config, static_length=length)
+
+
+def _candidate_generator(target, draft, settings, cache, fixed_shape: bool, compiled: bool, generation_config):
+    """The draft side follows the target's: with a static cache and fixed shapes the draft gets a static cache too
+    (long enough for the target's positions plus a tree's levels and one read chunk), and when the target's verify
+    forward is compiled so is the draft's fixed-shape step, with the same `CompileConfig`."""
+    if not (is_static(cache) and fixed_shape):
+        return JakiroCandidateGenerator(draft, settings)
+    length = static_length(cache) + settings.top_k * (settings.depth + 1)
+    step = None
+    if compiled:
+        step = compiled_draft_step(generation_config.compile_config or target._default_compile_config())
+    return JakiroCandidateGenerator(draft, settings, static_length=length, step=step)
+
+
+def _verify_forward(target, cache, generation_config: GenerationConfig):
+    """The callable for fixed-shape verification forwards: the target's forward compiled by transformers' own
+    mechanism (`get_compiled_call` with `generation_config.compile_config`) whenever `generate` would compile its
+    decoding steps for this cache, device and config (`_valid_auto_compile_criteria`: a compileable cache on an
+    accelerator, or `CompileConfig` with `_compile_all_devices`; never with `disable_compile`); the target otherwise.
+    The prefill stays eager, as in `generate`: its shape changes with every prompt."""
+    # The criteria read the cache from model_kwargs under the forward's name: `past_key_values` (5.17) or `cache`.
+    if target._valid_auto_compile_criteria({"cache": cache, "past_key_values": cache}, generation_config):
+        return target.get_compiled_call(generation_config.compile_config)
+    return target
+
+
 @dataclass
 class VerifiedRound:
     """What one verification round accepted; tensors on the target's device, rows in path order (root first).
@@ -214,7 +271,17 @@ class VerifiedRound:
 
 
 def verify_tree(
-    target, cache, cache_kwarg: str, tree: DraftTree, sequence, processors, do_sample: bool, leaf_head=None, padding=0
+    target,
+    cache,
+    cache_kwarg: str,
+    tree: DraftTree,
+    sequence,
+    processors,
+    do_sample: bool,
+    leaf_head=None,
+    padding=0,
+    past: int | None = None,
+    forward=None,
 ):
     """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
     depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
@@ -224,14 +291,24 @@ def verify_tree(
     see as the prefix. `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at
     most one leaf after. Host syncs: one copy of the path and its tokens, plus one in `process_tree_logits` when a
     processor depends on the prefix (and, on the lazy-leaf path, the index of internal nodes and the leaf check).
+
+    With a StaticCache the tree is written at `past` (the layers' `cumulative_length`), the mask spans the whole
+    static length, and the accepted path is moved into place by index copies. `past`: the cached length when the
+    caller knows it (a StaticCache reports it as a device tensor, which would cost a sync to read). `forward`: the
+    callable that runs the target (a compiled `target.__call__`); the target itself by default.
     """
-    past = cache.get_seq_length()
+    static = is_static(cache)
+    if past is None:
+        past = int(cache.get_seq_length())
+    forward = target if forward is None else forward
     internal = tree.internal_nodes() if leaf_head is not None else None
     with LastHiddenState(target) as hidden:
-        out = target(
+        out = forward(
             input_ids=tree.tokens[None],
             position_ids=tree.position_ids(past - padding),
-            attention_mask=tree.attention_mask(past, target.dtype, padding),
+            attention_mask=tree.attention_mask(
+                past, target.dtype, padding, kv_length=static_length(cache) if static else None
+            ),
             use_cache=True,
             **hidden.forward_kwargs(),
             **({} if internal is None else {"logits_to_keep": internal}),
@@ -308,9 +385,13 @@ def jakiro_decode(
     started = time.perf_counter()
     target_device = target.get_input_embeddings().weight.device
     sequence = input_ids.to(target_device)
-    cache = new_target_cache(target.config)
+    cache = _target_cache(target, model_kwargs, generation_config, settings.max_nodes)
     cache_kwarg = _cache_kwarg(target)
-    candidates = JakiroCandidateGenerator(draft, settings)
+    static = is_static(cache)
+    fixed_shape = static if settings.fixed_shape is None else bool(settings.fixed_shape)
+    forward = _verify_forward(target, cache, generation_config) if static and fixed_shape else target
+    compiled = forward is not target
+    candidates = _candidate_generator(target, draft, settings, cache, fixed_shape, compiled, generation_config)
 
     def emit(tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
         """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends.
@@ -360,7 +441,8 @@ def jakiro_decode(
     candidates.set_features(features[0, padding:])
     if candidates.lookup is not None:  # the prompt and the first token, once; later rounds add their own tokens
         candidates.extend_context(torch.cat([sequence[0, padding:], first.to(sequence.device)]).tolist())
-    leaf_head = lazy_leaf_head(target, features[:, -1], last_logits)
+    # The lazy leaf path keeps logits for a data-dependent set of nodes: a shape that changes every round.
+    leaf_head = None if fixed_shape else lazy_leaf_head(target, features[:, -1], last_logits)
     del features
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first, first.tolist(), processed, raw)
@@ -368,10 +450,15 @@ def jakiro_decode(
     while not finished:
         tic = time.perf_counter()
         tree = candidates.get_candidates(sequence[:, padding:]).to_device(target_device)
+        if fixed_shape:
+            tree = tree.padded(settings.max_nodes)
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
-        verified = verify_tree(target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding)
+        past = sequence.shape[1] - 1  # the cache holds everything but the root, the last accepted token
+        verified = verify_tree(
+            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding, past, forward
+        )
         candidates.set_features(verified.features)
         stats.verify_time_s += time.perf_counter() - tic
         finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw)
@@ -432,14 +519,22 @@ def jakiro_generate(
     top_k: int | None = None,
     contrastive: bool | None = None,
     lookup_tokens: int | None = None,
+    fixed_shape: bool | None = None,
     **model_kwargs,
 ):
     """`custom_generate` entry point: `target.generate(**inputs, custom_generate=jakiro_generate, draft=draft,
-    total_tokens=60, depth=5, top_k=10, lookup_tokens=10)`. Tree settings default to `draft.config`."""
+    total_tokens=60, depth=5, top_k=10, lookup_tokens=10)`. Tree settings default to `draft.config`; `fixed_shape`
+    (default: on with `cache_implementation="static"`) pads every round's tree to one size."""
     if draft is None:
         raise ValueError("jakiro_generate needs `draft=`, a JakiroDraftModel for this target.")
     settings = TreeSettings.resolve(
-        draft, total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=contrastive, lookup_tokens=lookup_tokens
+        draft,
+        total_tokens=total_tokens,
+        depth=depth,
+        top_k=top_k,
+        contrastive=contrastive,
+        lookup_tokens=lookup_tokens,
+        fixed_shape=fixed_shape,
     )
     if streamer is None:
         streamer = _streamer_of_running_generate(model)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from .kv_cache import truncate
+from .kv_cache import new_draft_cache, truncate
 from .lookup import NgramIndex
 from .modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree, TreeRecorder, graft_chains
@@ -23,7 +23,9 @@ class TreeSettings:
     top_k: children per node and nodes expanded per level. contrastive: build the last level from the
     contrastive (two-ahead) head, giving depth + 1 levels for depth forwards; False is the EAGLE-2-style ablation.
     lookup_tokens: length of the n-gram lookup chains grafted onto the tree (0: off; they come on top of
-    total_tokens). lookup_max_ngram: longest suffix n-gram matched. lookup_chains: distinct chains per round."""
+    total_tokens). lookup_max_ngram: longest suffix n-gram matched. lookup_chains: distinct chains per round.
+    fixed_shape: pad every round's tree to `max_nodes` with never-accepted dummy nodes, so that every verification
+    forward has one shape (one compiled graph serves them all); None: on exactly when the target's cache is static."""
 
     total_tokens: int
     depth: int
@@ -32,6 +34,12 @@ class TreeSettings:
     lookup_tokens: int = 0
     lookup_max_ngram: int = 3
     lookup_chains: int = 1
+    fixed_shape: bool | None = None
+
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes a round's tree can have: the root, `total_tokens` draft nodes and the lookup chains."""
+        return int(self.total_tokens) + 1 + int(self.lookup_tokens) * int(self.lookup_chains)
 
     @classmethod
     def resolve(cls, draft: JakiroDraftModel, **overrides) -> "TreeSettings":
@@ -55,6 +63,34 @@ class TreeSettings:
         return settings
 
 
+def draft_step(draft: JakiroDraftModel, cache, tokens, features, positions, mask, top_k: int):
+    """One fixed-shape draft forward over a static cache, and the top-k of its left head: the unit that is compiled.
+
+    tokens [k], features [k, hidden], positions [k], mask [k, cache length] (additive). Returns the left and right
+    (contrastive, or None) features [k, hidden] and the top-k (log-probabilities, target token ids) [k, top_k] of
+    every row. Tensors in, tensors out, no host reads: one graph serves every tree level and every read chunk."""
+    out = draft(
+        input_ids=tokens[None], hidden_states=features[None], position_ids=positions[None],
+        attention_mask=mask[None, None], cache=cache,
+    )
+    left = out.last_hidden_state[0]
+    right = None if out.contrastive_hidden_state is None else out.contrastive_hidden_state[0]
+    top = F.log_softmax(draft.compute_logits(left).float(), dim=-1).topk(top_k, dim=-1)
+    return left, right, top.values, draft.draft_to_target_ids(top.indices)
+
+
+_COMPILED_STEPS = {}
+
+
+def compiled_draft_step(compile_config):
+    """`draft_step` under torch.compile with the target's `CompileConfig` (one wrapper per distinct config: dynamo
+    keeps its graphs on the function's code, so every generate call reuses them)."""
+    options = compile_config.to_dict()
+    key = repr(sorted(options.items()))
+    if key not in _COMPILED_STEPS:
+        _COMPILED_STEPS[key] = torch.compile(draft_step, **options)
+    return _COMPILED_STEPS[key]
+
 
 class JakiroCandidateGenerator:
     """Proposes one token tree per round from a Jakiro draft.
@@ -69,12 +105,22 @@ class JakiroCandidateGenerator:
     flattened. The tree's KV entries are dropped again at the end of the round, so the cache only ever holds real
     target features. With `settings.lookup_tokens > 0` an `NgramIndex` of the accepted sequence (fed through
     `extend_context`) adds continuations of earlier occurrences of the current suffix to the tree (`graft_chains`).
+
+    With `static_length` the draft's cache is a static one of that many positions, and after the prompt every draft
+    forward has one shape, `top_k` rows (`draft_step`): each tree level, and the newly accepted positions read in
+    chunks of `top_k` rows (the last chunk padded; its padding rows write after the real ones and are overwritten).
+    Masks span the static length; the cached length is kept on the host. `step` (e.g. `compiled_draft_step(...)`)
+    runs those forwards; `draft_step` itself by default.
     """
 
-    def __init__(self, draft: JakiroDraftModel, settings: TreeSettings):
+    def __init__(self, draft: JakiroDraftModel, settings: TreeSettings, static_length: int | None = None, step=None):
         self.draft = draft
         self.settings = settings
-        self.cache = DynamicCache()
+        self.static = static_length is not None
+        self.cache = DynamicCache() if static_length is None else new_draft_cache(static_length)
+        self.static_length = static_length
+        self._length = 0  # cached positions, for the static cache (which reports its length as a device tensor)
+        self._step = draft_step if step is None else step
         self.pending_features = None
         vocab = draft.config.draft_vocab_size or draft.config.vocab_size
         self.top_k = min(settings.top_k, vocab)
@@ -107,6 +153,72 @@ class JakiroCandidateGenerator:
             self._features_unread = False
         self.pending_features = features
 
+    def cached_length(self) -> int:
+        return self._length if self.static else self.cache.get_seq_length()
+
+    def rewind(self, length: int) -> None:
+        """Drop the draft's cached positions from `length` on (benchmarks replaying one round)."""
+        truncate(self.cache, length)
+        self._length = length
+
+    def _visible_to_mask(self, visible: torch.BoolTensor) -> torch.Tensor:
+        dtype = self.draft.fc.weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        return mask.masked_fill(~visible, torch.finfo(dtype).min)
+
+    def _run_static(self, tokens, features, positions, visible):
+        """One fixed-shape forward; outputs cloned, as a compiled step with CUDA graphs reuses its output buffers."""
+        mask = self._visible_to_mask(visible)
+        outputs = self._step(self.draft, self.cache, tokens, features, positions, mask, self.top_k)
+        return tuple(None if t is None else t.clone() for t in outputs)
+
+    def _read(self, next_tokens: torch.LongTensor, features: torch.Tensor, past: int):
+        """The draft reads the accepted positions [past, past + m); returns (left, right, top-k log-probs, top-k ids)
+        of the last one, each with one row."""
+        contrastive = self.settings.contrastive
+        if not self.static or past == 0:  # the prompt (any length) runs eagerly: causal, no mask, last row kept
+            out = self.draft(
+                input_ids=next_tokens[None], hidden_states=features[None], cache=self.cache, features_to_keep=1
+            )
+            left = out.last_hidden_state[0]
+            right = out.contrastive_hidden_state[0] if contrastive else None
+            self._length = past + features.shape[0]
+            return (left, right, *self._draft_level(left))
+        k, device, width = self.top_k, features.device, self.static_length
+        columns = torch.arange(width, device=device)
+        m = features.shape[0]
+        for start in range(0, m, k):
+            rows = min(k, m - start)
+            extra = k - rows
+            tokens = torch.cat([next_tokens[start : start + rows], next_tokens.new_zeros(extra)])
+            chunk = torch.cat([features[start : start + rows], features.new_zeros(extra, features.shape[1])])
+            positions = past + start + torch.arange(k, device=device)
+            out = self._run_static(tokens, chunk, positions, columns[None, :] <= positions[:, None])  # causal
+            self.rewind(past + start + rows)  # the padding rows' entries are not kept
+        left, right, log_probs, ids = out
+        last = slice(rows - 1, rows)
+        return left[last], right[last] if contrastive else None, log_probs[last], ids[last]
+
+    def _level(self, tokens, parent_features, position: int, stable: int, visible: torch.BoolTensor):
+        """One tree level: k nodes at `position`, seeing the cached prefix [0, stable) and, among the tree's cached
+        entries, `visible` (their own ancestors and themselves). Returns (left, right, top-k log-probs, top-k ids)."""
+        k, device = self.top_k, tokens.device
+        positions = torch.full((k,), position, device=device)
+        if self.static:
+            full = torch.zeros(k, self.static_length, dtype=torch.bool, device=device)
+            full[:, :stable] = True
+            full[:, stable : stable + visible.shape[1]] = visible
+            left, right, log_probs, ids = self._run_static(tokens, parent_features, positions, full)
+            return left, right, log_probs, ids
+        mask = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=device), visible], dim=1)
+        out = self.draft(
+            input_ids=tokens[None], hidden_states=parent_features[None], position_ids=positions[None],
+            attention_mask=mask[None, None], cache=self.cache,
+        )
+        left = out.last_hidden_state[0]
+        right = out.contrastive_hidden_state[0] if self.settings.contrastive else None
+        return (left, right, *self._draft_level(left))
+
     def _draft_level(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor]:
         """Top-k (log-probability, target token id) of the draft's next-token distribution for each feature row."""
         log_probs = F.log_softmax(self.draft.compute_logits(features).float(), dim=-1)
@@ -129,33 +241,23 @@ class JakiroCandidateGenerator:
         if chains and self.chain_was_whole:
             self._features_unread = True
             return graft_chains(DraftTree.root_only(input_ids[0, -1]), chains)
-        past = self.cache.get_seq_length()
+        past = self.cached_length()
         features = self.pending_features
-        next_tokens = input_ids[:, past + 1 : past + 1 + features.shape[0]]
-        out = draft(input_ids=next_tokens, hidden_states=features[None], cache=self.cache, features_to_keep=1)
+        next_tokens = input_ids[0, past + 1 : past + 1 + features.shape[0]]
+        # left: [rows, hidden], rows of the last draft forward (the root: 1 row)
+        left, right, log_probs, tokens = self._read(next_tokens, features, past)
         stable = past + features.shape[0]  # the root token was read at draft position stable - 1
 
         recorder = TreeRecorder(input_ids[0, -1])
-        left = out.last_hidden_state[0]  # [rows, hidden]: rows of the last draft forward (the root: 1 row)
-        right = out.contrastive_hidden_state[0] if settings.contrastive else None
-        log_probs, tokens = self._draft_level(left)
         kept_scores, kept_tokens = log_probs[0], tokens[0]
         kept_index = recorder.add_level(kept_tokens, torch.zeros_like(kept_tokens), kept_scores, depth=1)
         kept_rows = torch.zeros_like(kept_tokens)  # row of each kept node's parent in the last forward
         visible = torch.eye(k, dtype=torch.bool, device=device)  # kept nodes x tree KV entries: own ancestors
 
         for level in range(2, settings.depth + 1):
-            mask = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=device), visible], dim=1)
-            out = draft(
-                input_ids=kept_tokens[None],
-                hidden_states=left[kept_rows][None],  # a node reads its parent's predicted feature
-                position_ids=torch.full((1, k), stable - 2 + level, device=device),
-                attention_mask=mask[None, None],
-                cache=self.cache,
-            )
-            left = out.last_hidden_state[0]
-            right = out.contrastive_hidden_state[0] if settings.contrastive else None
-            log_probs, tokens = self._draft_level(left)  # [k, k]
+            # a node reads its parent's predicted feature; log_probs, tokens: [k, k]
+            position = stable - 2 + level
+            left, right, log_probs, tokens = self._level(kept_tokens, left[kept_rows], position, stable, visible)
             scores = kept_scores[:, None] + log_probs
             index = recorder.add_level(tokens, kept_index[:, None].expand(k, k), scores, depth=level)
             best = scores.flatten().topk(k).indices
@@ -174,7 +276,7 @@ class JakiroCandidateGenerator:
                 kept_scores[:, None] + log_probs[kept_rows],
                 depth=settings.depth + 1,
             )
-        truncate(self.cache, stable)
+        self.rewind(stable)
         return graft_chains(recorder.flatten(settings.total_tokens), chains)
 
 

@@ -1,40 +1,83 @@
 """Cache surgery: checks that a transformers cache can follow a tree, and compacts it to the accepted path.
 
 After a verification forward the target's cache holds the prefix plus every tree node. Only the nodes on the
-accepted path stay; they are moved down to sit right after the prefix, and the rest is cut off. This works for
-full-attention `DynamicLayer`s (keys/values shaped [batch, heads, seq, head_dim]); sliding-window, static,
-quantized or linear-attention layers cannot be edited along the sequence and are refused up front.
+accepted path stay; they are moved down to sit right after the prefix, and the rest is dropped. Two layouts work:
+
+  * `DynamicCache` with full-attention `DynamicLayer`s: the tensors grow by the tree and are sliced back.
+  * `StaticCache` (what `generate` builds for `cache_implementation="static"`) with full-attention `StaticLayer`s:
+    preallocated [batch, heads, max_cache_len, head_dim] tensors at fixed addresses, written at the layer's
+    `cumulative_length` (a device tensor). Compaction is one `index_copy_` per keys/values tensor and a reset of
+    `cumulative_length`; the tree's other entries stay where they are, hidden by the next round's mask and
+    overwritten by its writes. Nothing is reallocated, so a compiled forward sees the same tensors every round.
+
+Sliding-window, quantized or linear-attention layers cannot be edited along the sequence and are refused up front.
 """
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
 
 
-def new_target_cache(config) -> DynamicCache:
-    """A fresh DynamicCache laid out for `config`, refused with a clear error if any layer is not full attention."""
-    cache = DynamicCache(config=config)
+def new_target_cache(config, static_length: int | None = None) -> DynamicCache | StaticCache:
+    """A fresh cache laid out for `config`: a DynamicCache, or with `static_length` a StaticCache of that many
+    positions; refused with a clear error if any layer is not full attention."""
+    if static_length is None:
+        cache = DynamicCache(config=config)
+    else:
+        cache = StaticCache(config=config, max_cache_len=static_length)
     check_cache_supported(cache, what=f"The target ({config.model_type})")
     return cache
 
 
+def new_draft_cache(static_length: int) -> Cache:
+    """A static cache for the one-layer Jakiro draft: transformers' `StaticLayer` in a plain `Cache` (StaticCache
+    reads its layer layout from a decoder config, which the draft's config is not)."""
+    return Cache(layers=[StaticLayer(max_cache_len=static_length)])
+
+
+def is_static(cache) -> bool:
+    """A StaticCache, or any cache made of full-attention static layers (the draft's)."""
+    if isinstance(cache, StaticCache):
+        return True
+    return isinstance(cache, Cache) and len(cache.layers) > 0 and all(type(l) is StaticLayer for l in cache.layers)
+
+
 def check_cache_supported(cache, what: str = "This cache") -> None:
-    if not isinstance(cache, DynamicCache):
+    if isinstance(cache, StaticCache):
+        expected, kind = StaticLayer, "static"
+    elif isinstance(cache, DynamicCache):
+        expected, kind = DynamicLayer, "dynamic"
+    else:
         raise ValueError(
-            f"{what} uses a {type(cache).__name__}; Jakiro tree decoding needs a DynamicCache with full-attention "
-            "layers. Pass no cache (or cache_implementation='dynamic') to generate."
+            f"{what} uses a {type(cache).__name__}; Jakiro tree decoding needs a DynamicCache or a StaticCache with "
+            "full-attention layers. Pass no cache, or cache_implementation='dynamic' or 'static', to generate."
         )
-    bad = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    # Exact types: the sliding-window variants subclass these and cannot hold a tree's positions.
+    bad = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not expected})
     if bad:
         raise ValueError(
-            f"{what} has cache layers of type {', '.join(bad)} (sliding-window, hybrid or linear-attention). "
+            f"{what} has {kind} cache layers of type {', '.join(bad)} (sliding-window, hybrid or linear-attention). "
             "Jakiro tree decoding supports only full-attention layers, whose cache can be compacted to the accepted "
             "path; use a model (or config) without sliding windows."
         )
 
 
-def keep_accepted(cache: DynamicCache, prefix_length: int, path: torch.LongTensor) -> None:
+def static_length(cache: StaticCache) -> int:
+    """The number of positions a StaticCache preallocates (the width of every attention mask over it)."""
+    return cache.layers[0].max_cache_len
+
+
+def keep_accepted(cache, prefix_length: int, path: torch.LongTensor) -> None:
     """Keep cache positions [0, prefix_length) plus `prefix_length + path` (tree nodes), in place."""
     new_length = prefix_length + path.numel()
+    if is_static(cache):
+        for layer in cache.layers:
+            index = (path + prefix_length).to(layer.keys.device)
+            target = torch.arange(prefix_length, new_length, device=layer.keys.device)
+            # index_select copies first, so sources that the copy overwrites (path[j] >= j) are read intact.
+            layer.keys.index_copy_(2, target, layer.keys.index_select(2, index))
+            layer.values.index_copy_(2, target, layer.values.index_select(2, index))
+        _set_static_length(cache, new_length)
+        return
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
@@ -45,11 +88,30 @@ def keep_accepted(cache: DynamicCache, prefix_length: int, path: torch.LongTenso
         layer.values = layer.values[..., :new_length, :]
 
 
-def truncate(cache: DynamicCache, length: int) -> None:
-    """Drop every cached position from `length` on."""
+def _set_static_length(cache: StaticCache, length: int) -> None:
+    # In place: `cumulative_length` has a static address that a compiled forward reads (and advances) every round.
+    # StaticLayer.crop does the same, but 5.17 has no crop on static layers.
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(length)
+
+
+def truncate(cache, length: int) -> None:
+    """Drop every cached position from `length` on (a StaticCache keeps its tensors; later writes overwrite them)."""
+    if is_static(cache):
+        if cache.layers[0].is_initialized:
+            _set_static_length(cache, length)
+        return
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
 
 
-__all__ = ["check_cache_supported", "keep_accepted", "new_target_cache", "truncate"]
+__all__ = [
+    "check_cache_supported",
+    "is_static",
+    "keep_accepted",
+    "new_draft_cache",
+    "new_target_cache",
+    "static_length",
+    "truncate",
+]

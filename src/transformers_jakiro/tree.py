@@ -24,6 +24,7 @@ class DraftTree:
     levels:    a host-side int >= every depth (the number of levels the draft expanded), so that tensors sized by the
                depth need no device-to-host read; computed from `depths` (one sync) when not given.
     from_lookup: [n] bool, True for nodes that only n-gram lookup proposed (`graft_chains`); None: no lookup nodes.
+    real:      [n] bool, False for the masked-out dummy nodes that `padded` appends (never accepted); None: all real.
     """
 
     tokens: torch.LongTensor
@@ -33,6 +34,7 @@ class DraftTree:
     scores: torch.Tensor
     levels: int | None = None
     from_lookup: torch.BoolTensor | None = None
+    real: torch.BoolTensor | None = None
 
     def __post_init__(self):
         if self.levels is None:
@@ -43,7 +45,44 @@ class DraftTree:
             return self
         names = ("tokens", "parents", "depths", "ancestors", "scores")
         lookup = None if self.from_lookup is None else self.from_lookup.to(device)
-        return DraftTree(*(getattr(self, name).to(device) for name in names), levels=self.levels, from_lookup=lookup)
+        real = None if self.real is None else self.real.to(device)
+        return DraftTree(
+            *(getattr(self, name).to(device) for name in names), levels=self.levels, from_lookup=lookup, real=real
+        )
+
+    def padded(self, size: int) -> "DraftTree":
+        """The tree with dummy nodes appended up to `size` nodes, so that every round's verification forward has the
+        same shape (one compiled graph serves them all).
+
+        A dummy is a child of the root (depth 1) carrying the root's token; it sees the root and itself, no real node
+        sees it, and `real` marks it so that the acceptance rule never takes it (its token may equal the target's
+        pick). Its logits are computed and ignored; its keys/values land after the real nodes' and are never kept.
+        No host sync: the sizes are host ints."""
+        n = self.num_nodes
+        if size < n:
+            raise ValueError(f"Cannot pad a tree of {n} nodes to {size}.")
+        if size == n:
+            return self if self.real is not None else DraftTree(**{**self.__dict__, "real": self._all_real()})
+        extra, device = size - n, self.tokens.device
+        ancestors = torch.zeros(size, size, dtype=torch.bool, device=device)
+        ancestors[:n, :n] = self.ancestors
+        ancestors[n:, 0] = True
+        ancestors[torch.arange(n, size, device=device), torch.arange(n, size, device=device)] = True
+        real = self.real if self.real is not None else self._all_real()
+        lookup = self.from_lookup
+        return DraftTree(
+            tokens=torch.cat([self.tokens, self.tokens[:1].expand(extra)]),
+            parents=torch.cat([self.parents, self.parents.new_zeros(extra)]),
+            depths=torch.cat([self.depths, self.depths.new_ones(extra)]),
+            ancestors=ancestors,
+            scores=torch.cat([self.scores, self.scores.new_full((extra,), float("-inf"))]),
+            levels=max(self.levels, 1),
+            from_lookup=None if lookup is None else torch.cat([lookup, lookup.new_zeros(extra)]),
+            real=torch.cat([real, real.new_zeros(extra)]),
+        )
+
+    def _all_real(self) -> torch.BoolTensor:
+        return torch.ones_like(self.tokens, dtype=torch.bool)
 
     @classmethod
     def root_only(cls, root_token: torch.LongTensor) -> "DraftTree":
@@ -66,9 +105,12 @@ class DraftTree:
         """[1, n]: the root sits right after the `past_length` cached tokens; a node of depth d at past + d."""
         return (self.depths + past_length)[None]
 
-    def attention_mask(self, past_length: int, dtype: torch.dtype, padding: int = 0) -> torch.Tensor:
+    def attention_mask(
+        self, past_length: int, dtype: torch.dtype, padding: int = 0, kv_length: int | None = None
+    ) -> torch.Tensor:
         """[1, 1, n, past + n] additive float mask: every node sees the cached prefix, its ancestors and itself.
         The first `padding` cached positions are left padding, which no node sees (as in plain generate).
+        `kv_length` (a static cache's size): the mask spans that many positions, those after the tree hidden.
 
         A float mask (0 / dtype-min) rather than a bool one: transformers' eager attention adds 4D masks, so a bool
         mask would be silently wrong there."""
@@ -76,6 +118,12 @@ class DraftTree:
         prefix = torch.ones(n, past_length, dtype=torch.bool, device=self.tokens.device)
         prefix[:, :padding] = False
         visible = torch.cat([prefix, self.ancestors], dim=1)
+        if kv_length is not None:
+            if kv_length < past_length + n:
+                raise ValueError(f"A tree of {n} nodes after {past_length} cached positions needs a cache of at least "
+                                 f"{past_length + n} positions, not {kv_length}.")
+            hidden = torch.zeros(n, kv_length - past_length - n, dtype=torch.bool, device=self.tokens.device)
+            visible = torch.cat([visible, hidden], dim=1)
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.tokens.device)
         return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 

@@ -40,6 +40,8 @@ def accept(tree: DraftTree, choices: torch.LongTensor) -> tuple[torch.LongTensor
     """
     matches = torch.ones_like(tree.tokens, dtype=torch.bool)
     matches[1:] = tree.tokens[1:] == choices[tree.parents[1:]]
+    if tree.real is not None:  # padding nodes (`DraftTree.padded`) are never accepted
+        matches &= tree.real
     accepted = ~(tree.ancestors & ~matches[None, :]).any(dim=1)  # every node on the way down matched
     deepest = torch.argmax(torch.where(accepted, tree.depths, -1))
     on_path = torch.where(tree.ancestors[deepest], torch.arange(tree.num_nodes, device=tree.tokens.device), -1)

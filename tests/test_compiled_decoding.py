@@ -1,0 +1,102 @@
+"""Compiled Jakiro decoding on CPU (inductor): `generate(..., assistant_model=draft, cache_implementation="static",
+compile_config=...)` runs every verification round through the target's forward compiled by transformers
+(`get_compiled_call`) and every draft level through the compiled draft step: two graphs for every round and every
+prompt, with greedy output token-identical to plain generate and to eager Jakiro.
+
+Compiling is expensive on 2 CPU cores (tens of seconds per model), so each architecture's target is compiled once,
+in a module-scoped fixture, and every check runs against it."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+from tiny_models import make_target, quick_trained_draft, random_prompt
+from transformers_jakiro import drafting, tree_settings
+
+pytestmark = pytest.mark.compile
+
+# Small trees with n-gram lookup chains: rounds differ in their real node count (lookup-only rounds verify a chain
+# alone), so the padding to one shape is what keeps the compiled graph unique.
+TREE = dict(total_tokens=12, depth=3, top_k=3, lookup_tokens=3)
+MAX_CACHE_LEN = 96  # one static size for every call, as a user sets `max_cache_len` to avoid recompiles
+
+
+def compile_config() -> CompileConfig:
+    config = CompileConfig(fullgraph=True, mode="default")  # fullgraph: a graph break would be an error
+    config._compile_all_devices = True  # transformers' switch for compiling on CPU ("useful for testing purposes")
+    return config
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def compiled(request):
+    """(target, draft, config) after one warm-up generate that compiled the target's verify forward and the draft
+    step."""
+    torch._dynamo.reset()
+    target = make_target(request.param)
+    draft = quick_trained_draft(target, steps=150)
+    config = compile_config()
+    graphs = counters["stats"]["unique_graphs"]
+    with tree_settings(draft, **TREE):
+        target.generate(
+            torch.tensor([[5, 9, 33, 5, 9]]), do_sample=False, max_new_tokens=8, assistant_model=draft,
+            cache_implementation="static", compile_config=config, max_cache_len=MAX_CACHE_LEN,
+        )
+    # the verify forward and the draft step, each compiled once, without graph breaks
+    assert counters["stats"]["unique_graphs"] == graphs + 2
+    yield target, draft, config
+    torch._dynamo.reset()
+
+
+def test_compiled_greedy_identical_and_never_recompiled(compiled, monkeypatch):
+    target, draft, config = compiled
+    # Count the rounds that went through the compiled forward (every round but the eager prefill).
+    compiled_call, calls = target._compiled_call, []
+    monkeypatch.setattr(target, "_compiled_call", lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs))
+    steps = []
+    for key, step in list(drafting._COMPILED_STEPS.items()):
+        monkeypatch.setitem(drafting._COMPILED_STEPS, key, lambda *a, _step=step, **k: steps.append(1) or _step(*a, **k))
+    graphs = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(11)
+    rounds, accepted = 0, set()
+    for i in range(4):
+        prompt = random_prompt(g, 3, 20)
+        max_new = int(torch.randint(8, 30, (1,), generator=g))
+        kwargs = dict(do_sample=False, max_new_tokens=max_new)
+        expected = target.generate(prompt, **kwargs)
+        with tree_settings(draft, **TREE):
+            eager_static = target.generate(
+                prompt, assistant_model=draft, cache_implementation="static", max_cache_len=MAX_CACHE_LEN, **kwargs
+            )
+            with torch.compiler.set_stance("fail_on_recompile"):  # a recompilation would raise here
+                got = target.generate(
+                    prompt, assistant_model=draft, cache_implementation="static", max_cache_len=MAX_CACHE_LEN,
+                    compile_config=config, **kwargs,
+                )
+        stats = draft.last_generation_stats
+        rounds += stats.draft_rounds
+        accepted.update(stats.accepted_lengths[1:])
+        assert torch.equal(eager_static, expected), f"prompt {i}"
+        assert torch.equal(got, expected), f"prompt {i}"
+    assert counters["stats"]["unique_graphs"] == graphs  # prompts of other lengths, rounds of other acceptances
+    assert len(calls) == rounds > 0
+    assert len(steps) >= rounds  # at least one compiled draft step per drafting round (lookup-only rounds have none)
+    assert len(accepted) >= 2 and max(accepted) >= 2  # rounds really differed in what they kept
+
+
+def test_compile_follows_transformers_criteria(compiled, monkeypatch):
+    """Without `compile_config` on a CPU (or with `disable_compile`), generate would not compile: neither does
+    Jakiro; its rounds then run the target and the draft eagerly."""
+    target, draft, config = compiled
+    compiled_call, calls = target._compiled_call, []
+    monkeypatch.setattr(target, "_compiled_call", lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs))
+    for key, step in list(drafting._COMPILED_STEPS.items()):
+        monkeypatch.setitem(drafting._COMPILED_STEPS, key, lambda *a, _step=step, **k: calls.append(2) or _step(*a, **k))
+    prompt = torch.tensor([[7, 8, 9, 10]])
+    with tree_settings(draft, **TREE):
+        target.generate(prompt, do_sample=False, max_new_tokens=6, assistant_model=draft, cache_implementation="static")
+        target.generate(
+            prompt, do_sample=False, max_new_tokens=6, assistant_model=draft, cache_implementation="static",
+            compile_config=config, disable_compile=True,
+        )
+    assert calls == []
