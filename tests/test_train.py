@@ -109,6 +109,10 @@ def test_truncation_skips_too_long_prompts_and_collator_pads_right(tokenizer):
     assert len(examples[0]["input_ids"]) <= 12
     with pytest.raises(ValueError, match="longer than max_length=12"):
         build_examples([long], tokenizer, max_length=12)
+    kept, stats = build_examples([short, long], tokenizer, max_length=len(examples[0]["input_ids"]), drop_longer=True)
+    assert kept == examples and stats["skipped_longer_than_max_length"] == 1
+    with pytest.raises(ValueError, match="drop_longer skips them"):
+        build_examples([long], tokenizer, max_length=30, drop_longer=True)
     batch = JakiroCollator(pad_token_id=0)(
         [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [5], "loss_mask": [1]}]
     )

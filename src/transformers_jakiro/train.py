@@ -62,6 +62,9 @@ class JakiroTrainingConfig(TrainingArguments):
         metadata={"help": "uniform noise (U - 0.5) * feature_noise * 512 / seq_len on the input features; 0 = off"},
     )
     max_length: int = field(default=2048, metadata={"help": "conversations are truncated to this many tokens"})
+    drop_longer: bool = field(
+        default=False, metadata={"help": "skip conversations longer than max_length instead of truncating them"}
+    )
     draft_vocab_size: int | None = field(default=None, metadata={"help": "reduced draft vocabulary; None = full"})
     max_grad_value: float | None = field(default=0.5, metadata={"help": "clip each gradient value to +-this"})
     cache_features: bool = field(
@@ -182,10 +185,10 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> dict:
     return {"input_ids": list(encoded["input_ids"]), "loss_mask": mask}
 
 
-def build_examples(conversations, tokenizer, max_length: int) -> tuple[list[dict], dict]:
-    """Tokenised examples truncated to `max_length`, and counts of what was skipped. Raises ValueError when nothing
-    is left to train on."""
-    examples, no_assistant, too_long = [], 0, 0
+def build_examples(conversations, tokenizer, max_length: int, drop_longer: bool = False) -> tuple[list[dict], dict]:
+    """Tokenised examples truncated to `max_length` (or, with `drop_longer`, skipped when longer), and counts of what
+    was skipped. Raises ValueError when nothing is left to train on."""
+    examples, no_assistant, too_long, dropped = [], 0, 0, 0
     unrenderable = []
     for messages in conversations:
         try:
@@ -196,6 +199,9 @@ def build_examples(conversations, tokenizer, max_length: int) -> tuple[list[dict
         if not any(example["loss_mask"]):
             no_assistant += 1
             continue
+        if drop_longer and len(example["input_ids"]) > max_length:
+            dropped += 1
+            continue
         example = {key: value[:max_length] for key, value in example.items()}
         if not any(example["loss_mask"][2:]):  # the first trained prediction is that of token 2
             too_long += 1
@@ -204,6 +210,11 @@ def build_examples(conversations, tokenizer, max_length: int) -> tuple[list[dict
     if unrenderable:
         print(
             f"skipped {len(unrenderable)} conversations the chat template could not render (first: {unrenderable[0]})"
+        )
+    if not examples and dropped:
+        raise ValueError(
+            f"all conversations are longer than max_length={max_length} tokens and drop_longer skips them: raise "
+            "--max-length or leave out --drop-longer (conversations are then truncated)."
         )
     if not examples and not too_long:
         raise ValueError(
@@ -220,6 +231,7 @@ def build_examples(conversations, tokenizer, max_length: int) -> tuple[list[dict
         conversations=len(examples),
         skipped_no_assistant=no_assistant,
         skipped_prompt_too_long=too_long,
+        skipped_longer_than_max_length=dropped,
         skipped_unrenderable=len(unrenderable),
         tokens=sum(len(e["input_ids"]) for e in examples),
         assistant_tokens=sum(sum(e["loss_mask"]) for e in examples),
@@ -675,7 +687,7 @@ def train_head(
         eval_prompts = [
             (f"heldout-{i}", next(m["content"] for m in c if m["role"] == "user")) for i, c in enumerate(held_out)
         ]
-    examples, data_stats = build_examples(conversations, tokenizer, config.max_length)
+    examples, data_stats = build_examples(conversations, tokenizer, config.max_length, config.drop_longer)
     print(f"data: {data_stats} ({len(bad)} bad lines)")
 
     overrides = dict(head_overrides or {})
@@ -831,6 +843,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="per device; default 4")
     parser.add_argument("--grad-accum", type=int, default=None)
     parser.add_argument("--max-length", type=int, default=None, help="default 2048 tokens")
+    parser.add_argument(
+        "--drop-longer", action="store_true", help="skip conversations longer than --max-length instead of truncating"
+    )
     parser.add_argument("--warmup", type=float, default=None, help="warmup steps (>= 1) or ratio (< 1); default 0.05")
     parser.add_argument(
         "--unroll-steps",
@@ -888,6 +903,7 @@ def config_from_args(args) -> JakiroTrainingConfig:
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum,
         max_length=args.max_length,
+        drop_longer=args.drop_longer or None,
         warmup_steps=args.warmup,
         feature_noise=args.feature_noise,
         unroll_steps=args.unroll_steps,
