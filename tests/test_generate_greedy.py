@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from tiny_models import ARCHS, make_target, make_tokenizer, quick_trained_draft, random_prompt
+from tiny_models import ARCHS, make_tokenizer, random_prompt, trained_pairs
 from transformers_jakiro import jakiro_generate, tree_settings
 
 # (total_tokens, depth, top_k): default-like, chain, wide and shallow, deep and narrow, one node, large.
@@ -16,15 +16,7 @@ TREE_SHAPES = [(60, 5, 10), (6, 6, 1), (40, 1, 10), (30, 8, 3), (1, 3, 4), (80, 
 @pytest.fixture(scope="module")
 def pairs():
     """One (target, trained draft) per architecture, built once for the module."""
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            target = make_target(arch)
-            cache[arch] = (target, quick_trained_draft(target))
-        return cache[arch]
-
-    return get
+    return trained_pairs()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

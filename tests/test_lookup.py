@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from test_tree import brute_force_ancestors, recorded_trees
-from tiny_models import ARCHS, make_target, quick_trained_draft, random_prompt
+from tiny_models import ARCHS, random_prompt, trained_pairs
 from transformers_jakiro import JakiroDraftModel, jakiro_generate, tree_settings
 from transformers_jakiro.generation import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.lookup import NgramIndex
@@ -142,15 +142,7 @@ def test_graft_hand_built_cases():
 # -- decoding with lookup on --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pairs():
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            target = make_target(arch)
-            cache[arch] = (target, quick_trained_draft(target, steps=120))
-        return cache[arch]
-
-    return get
+    return trained_pairs(steps=120)
 
 
 def repetitive_prompt(g):

@@ -7,7 +7,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import DynamicCache
 
-from tiny_models import make_target, quick_trained_draft, random_prompt
+from tiny_models import make_target, random_prompt, trained_pairs
 from transformers_jakiro import tree_settings, verification
 from transformers_jakiro.decoding import _cache_kwarg
 from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
@@ -20,15 +20,7 @@ TREES = [(20, 4, 4, 0), (6, 6, 1, 0), (1, 2, 3, 0), (12, 3, 3, 4)]
 
 @pytest.fixture(scope="module")
 def pairs():
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            target = make_target(arch)
-            cache[arch] = (target, quick_trained_draft(target))
-        return cache[arch]
-
-    return get
+    return trained_pairs()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

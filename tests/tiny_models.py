@@ -104,3 +104,17 @@ def make_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def trained_pairs(**draft_options):
+    """`get(arch)` -> (tiny target, `quick_trained_draft` for it), each built once: the body of the module-scoped
+    `pairs` fixtures of the decoding tests."""
+    built = {}
+
+    def get(arch):
+        if arch not in built:
+            target = make_target(arch)
+            built[arch] = (target, quick_trained_draft(target, **draft_options))
+        return built[arch]
+
+    return get
