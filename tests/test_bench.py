@@ -244,6 +244,28 @@ def test_acceptance_at_depth_in_rows():
     assert rows["jakiro"]["acceptance_at_depth"] == [round(2 / 3, 4), round(1 / 3, 4)]
     assert rows["plain"]["acceptance_at_depth"] is None
     assert bench.format_acceptance([0.5, 0.25]) == "d>=1 0.50, d>=2 0.25"
+    assert rows["jakiro"]["vocab_coverage"] is None  # samples without the count: not made up
+
+
+def test_vocab_coverage_counts_generated_tokens_the_draft_can_propose(models):
+    target, tokenizer, draft, _ = models
+    samples = [
+        {"suite": "s", "method": "jakiro", "new_tokens": 8, "time_s": 1.0, "rounds": 4, "accepted_lengths": [1, 3, 2, 2],
+         "in_draft_vocab": 6, "matches_baseline": True, "peak_memory_mb": 1.0},
+        {"suite": "s", "method": "jakiro", "new_tokens": 2, "time_s": 1.0, "rounds": 2, "accepted_lengths": [1, 1],
+         "in_draft_vocab": 2, "matches_baseline": True, "peak_memory_mb": 1.0},
+    ]
+    (row,) = [r for r in bench.summarize(samples, ["jakiro"], 0.0) if r["suite"] == "s"]
+    assert row["vocab_coverage"] == 0.8
+    result = {"machine": {"dtype": "torch.float32", "device": "cpu", "command": "jakiro bench"},
+              "config": {"suites": ["s"], "max_new_tokens": 8, "tree_settings": {}}, "results": [row]}
+    (entry,) = bench.head_metrics(result).values()
+    assert entry.endswith("draft vocabulary holds 80.0% of the generated tokens (2 generations, max_new_tokens=8, "
+                          "tree None/None/None)")
+    # a real run counts them: the shared draft has the target's full vocabulary, so every generated token
+    record = bench.generate_once(target, {"input_ids": torch.tensor([[5, 6, 7]])}, "jakiro", draft, None,
+                                 {"max_new_tokens": 5, "do_sample": False}, {})
+    assert record["in_draft_vocab"] == record["new_tokens"] == 5
 
 
 def test_tree_option_overrides_the_heads_settings(models):

@@ -105,6 +105,9 @@ def test_reduced_vocabulary_head_round_trips(tmp_path):
     loaded = AutoModel.from_pretrained(tmp_path).bind_target(target)
     assert torch.equal(loaded.d2t, draft.d2t) and loaded.lm_head.weight.shape == (32, 64)
     assert torch.equal(loaded.draft_to_target_ids(torch.tensor([0, 31])), draft.d2t[[0, 31]])
+    outside = sorted(set(range(128)) - set(draft.d2t.tolist()))[:2]
+    assert loaded.in_vocabulary([int(draft.d2t[3]), *outside]).tolist() == [True, False, False]
+    assert JakiroDraftModel.from_target(target).in_vocabulary([0, 127]).all()  # full vocabulary: everything
     prompt = torch.tensor([[5, 6, 7, 8]])
     assert torch.equal(target.generate(prompt, max_new_tokens=20, assistant_model=loaded), target.generate(prompt, max_new_tokens=20))
 

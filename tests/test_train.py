@@ -375,6 +375,11 @@ def test_train_head_reduced_vocab_round_trip_tau_and_card(tmp_path, target, toke
     assert d2t == sorted(set(d2t)) and 2 in d2t  # sorted, unique, EOS kept
     trained_on = examples_of(data_file, tokenizer)[:-2]
     assert d2t == select_draft_vocab(trained_on, 40, 128, always=[2]).tolist()
+    # the card says which share of the trained-on assistant tokens the draft vocabulary can propose
+    assistant = [t for e in trained_on for t, m in zip(e["input_ids"], e["loss_mask"]) if m]
+    coverage = sum(t in set(d2t) for t in assistant) / len(assistant)
+    assert 0 < coverage < 1
+    assert f"holding {coverage:.1%} of the training data's assistant tokens" in report["summary"]["draft vocabulary"]
     # tau was measured by real tree decoding on the 2 held-out prompts, and the card says so
     assert report["metrics"]["tau"] >= 1.0 and len(report["metrics"]["tau per prompt"].split(",")) == 2
     assert report["metrics"]["acceptance per depth"].startswith("d>=1 ")  # per-depth acceptance in the card

@@ -241,7 +241,8 @@ def generate_once(target, inputs, method, draft, assistant, sampling, settings) 
         stats = draft.last_generation_stats
         record.update(rounds=stats.rounds, accepted_lengths=list(stats.accepted_lengths),
                       draft_time_s=stats.draft_time_s, verify_time_s=stats.verify_time_s,
-                      lookup_accepted=stats.lookup_accepted)
+                      lookup_accepted=stats.lookup_accepted,
+                      in_draft_vocab=int(draft.in_vocabulary(new).sum()))
     return record
 
 
@@ -277,6 +278,10 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
                 papers_tau=(tokens - len(mine)) / (rounds - len(mine))
                 if method in TREE_METHODS and rounds > len(mine)
                 else None,
+                # the share of the generated tokens the draft vocabulary holds: a ceiling on any draft token's
+                # acceptance (1 with the target's full vocabulary)
+                vocab_coverage=round(sum(s["in_draft_vocab"] for s in mine) / tokens, 4)
+                if tokens and all("in_draft_vocab" in s for s in mine) else None,
                 match_rate=sum(s["matches_baseline"] for s in mine) / len(mine) if temperature == 0 and mine else None,
                 peak_memory_mb=round(max((s["peak_memory_mb"] for s in mine), default=0.0), 1),
             )
@@ -728,6 +733,8 @@ def markdown_table(result: dict) -> str:
         if depth_rows:
             lines += ["", "Share of draft-verify rounds accepting at least d draft tokens:", ""]
             lines += [f"- {r['suite']} / {r['method']}: {format_acceptance(r['acceptance_at_depth'])}"
+                      + (f"; the draft vocabulary holds {r['vocab_coverage']:.1%} of the generated tokens"
+                         if r.get("vocab_coverage") is not None else "")
                       for r in depth_rows]
     if "tune" in result:
         t = result["tune"]
@@ -817,6 +824,8 @@ def head_metrics(result: dict) -> dict:
             text += f", outputs identical to plain on {row['match_rate']:.0%} of generations"
         if row.get("acceptance_at_depth"):
             text += f", rounds accepting >= d tokens: {format_acceptance(row['acceptance_at_depth'][:6])}"
+        if row.get("vocab_coverage") is not None and row["vocab_coverage"] < 1:
+            text += f", draft vocabulary holds {row['vocab_coverage']:.1%} of the generated tokens"
         text += (f" ({row['generations']} generations, max_new_tokens={result['config']['max_new_tokens']}, "
                  f"tree {settings.get('total_tokens')}/{settings.get('depth')}/{settings.get('top_k')})")
         entries[f"jakiro bench: {suite}, temperature {row['temperature']:g} ({where})"] = text

@@ -705,6 +705,12 @@ def train_head(
             draft.d2t.copy_(d2t)
             # Start from the target's own output rows: the reduced head begins as an exact slice of the target's.
             draft.lm_head.weight.copy_(target.get_output_embeddings().weight[d2t.to(target.device)].float())
+        assistant = [t for e in examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m]
+        data_stats["draft_vocab_coverage"] = draft.in_vocabulary(assistant).float().mean().item()
+        print(
+            f"draft vocabulary: {len(d2t)} tokens hold {data_stats['draft_vocab_coverage']:.1%} of the training "
+            "data's assistant tokens (the draft can never propose the rest)"
+        )
     if init_from:
         carried = init_from_head(draft, JakiroDraftModel.from_pretrained(init_from, dtype=torch.float32))
         print(f"--init-from {init_from}: {carried}")
@@ -808,6 +814,11 @@ def _finish(
         "max length": args.max_length,
         "wall time": f"{seconds:.0f} s",
     }
+    if data_stats.get("draft_vocab_coverage") is not None:
+        summary["draft vocabulary"] = (
+            f"{draft.config.draft_vocab_size} most frequent assistant tokens, holding "
+            f"{data_stats['draft_vocab_coverage']:.1%} of the training data's assistant tokens"
+        )
     if args.unroll_steps:
         summary["training-time test"] = f"{args.unroll_steps} unrolled steps, loss weight {args.unroll_loss_weight}^j"
     if data_stats.get("init_from"):
