@@ -330,6 +330,15 @@ class JakiroDraftModel(JakiroPreTrainedModel):
     def draft_to_target_ids(self, ids: torch.LongTensor) -> torch.LongTensor:
         return ids if self.d2t is None else self.d2t[ids]
 
+    def in_vocabulary(self, target_ids) -> torch.BoolTensor:
+        """Which of `target_ids` (target token ids) the draft vocabulary holds. The draft can never propose the
+        others, so their share caps the acceptance of every draft token: a low share calls for a larger
+        --draft-vocab."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long)
+        if self.d2t is None:
+            return torch.ones_like(ids, dtype=torch.bool)
+        return torch.isin(ids, self.d2t.to(ids.device))
+
     # -- forward -------------------------------------------------------------------------------------------------
     def forward(
         self,
