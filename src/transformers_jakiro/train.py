@@ -262,10 +262,15 @@ class JakiroCollator:
         return batch
 
 
+def assistant_tokens(examples) -> list[int]:
+    """Every assistant token of the examples, in order: what the draft is trained to predict."""
+    return [t for e in examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m]
+
+
 def select_draft_vocab(examples, size: int, vocab_size: int, always=()) -> torch.LongTensor:
     """The `size` most frequent assistant tokens (ties: lower id first) plus the `always` ids (EOS), sorted.
     Fewer when the data holds fewer distinct tokens: a draft logit for a token never seen in training is useless."""
-    tokens = torch.tensor([t for e in examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m])
+    tokens = torch.tensor(assistant_tokens(examples))
     counts = torch.bincount(tokens, minlength=vocab_size).double()
     always = [t for t in always if t is not None and 0 <= t < vocab_size]
     counts[always] = float("inf")
@@ -705,8 +710,8 @@ def train_head(
             draft.d2t.copy_(d2t)
             # Start from the target's own output rows: the reduced head begins as an exact slice of the target's.
             draft.lm_head.weight.copy_(target.get_output_embeddings().weight[d2t.to(target.device)].float())
-        assistant = [t for e in examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m]
-        data_stats["draft_vocab_coverage"] = draft.in_vocabulary(assistant).float().mean().item()
+        coverage = draft.in_vocabulary(assistant_tokens(examples)).float().mean().item()
+        data_stats["draft_vocab_coverage"] = coverage
         print(
             f"draft vocabulary: {len(d2t)} tokens hold {data_stats['draft_vocab_coverage']:.1%} of the training "
             "data's assistant tokens (the draft can never propose the rest)"
