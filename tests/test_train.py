@@ -17,6 +17,7 @@ from transformers_jakiro.train import (
     JakiroCollator,
     JakiroTrainer,
     JakiroTrainingConfig,
+    assistant_tokens,
     build_examples,
     evaluate_tau,
     init_from_head,
@@ -137,11 +138,13 @@ def test_no_assistant_tokens_is_a_clear_error(tmp_path, tokenizer, target):
 
 def test_select_draft_vocab_most_frequent_plus_eos_sorted():
     examples = [{"input_ids": [9, 9, 9, 7, 7, 5, 3, 4], "loss_mask": [1, 1, 1, 1, 1, 1, 0, 1]}]
-    assert select_draft_vocab(examples, 2, vocab_size=16).tolist() == [7, 9]
-    assert select_draft_vocab(examples, 3, vocab_size=16, always=[2]).tolist() == [2, 7, 9]
+    tokens = assistant_tokens(examples)
+    assert tokens == [9, 9, 9, 7, 7, 5, 4]  # the masked-out (prompt) token 3 is not an assistant token
+    assert select_draft_vocab(tokens, 2, vocab_size=16).tolist() == [7, 9]
+    assert select_draft_vocab(tokens, 3, vocab_size=16, always=[2]).tolist() == [2, 7, 9]
     # ties go to the lower id; the untrained token 3 is never picked; fewer distinct tokens -> fewer ids
-    assert select_draft_vocab(examples, 4, vocab_size=16).tolist() == [4, 5, 7, 9]
-    assert select_draft_vocab(examples, 100, vocab_size=16).tolist() == [4, 5, 7, 9]
+    assert select_draft_vocab(tokens, 4, vocab_size=16).tolist() == [4, 5, 7, 9]
+    assert select_draft_vocab(tokens, 100, vocab_size=16).tolist() == [4, 5, 7, 9]
 
 
 # -- trainer --------------------------------------------------------------------------------------------------------
@@ -167,7 +170,7 @@ def test_feature_cache_gives_the_same_loss_without_running_the_target_again(
     tmp_path, target, tokenizer, data_file, where
 ):
     examples = examples_of(data_file, tokenizer)
-    d2t = select_draft_vocab(examples, 40, target.config.vocab_size, always=[2])
+    d2t = select_draft_vocab(assistant_tokens(examples), 40, target.config.vocab_size, always=[2])
     draft = JakiroDraftModel.from_target(target, draft_vocab_size=40).eval()  # eval: no input noise
     draft.d2t.copy_(d2t)
     online = JakiroTrainer(model=draft, target=target, args=config(tmp_path))
@@ -374,9 +377,9 @@ def test_train_head_reduced_vocab_round_trip_tau_and_card(tmp_path, target, toke
     assert head.config.draft_vocab_size == len(d2t) == 40 and head.lm_head.weight.shape[0] == 40
     assert d2t == sorted(set(d2t)) and 2 in d2t  # sorted, unique, EOS kept
     trained_on = examples_of(data_file, tokenizer)[:-2]
-    assert d2t == select_draft_vocab(trained_on, 40, 128, always=[2]).tolist()
+    assistant = assistant_tokens(trained_on)
+    assert d2t == select_draft_vocab(assistant, 40, 128, always=[2]).tolist()
     # the card says which share of the trained-on assistant tokens the draft vocabulary can propose
-    assistant = [t for e in trained_on for t, m in zip(e["input_ids"], e["loss_mask"]) if m]
     coverage = sum(t in set(d2t) for t in assistant) / len(assistant)
     assert 0 < coverage < 1
     assert f"holding {coverage:.1%} of the training data's assistant tokens" in report["summary"]["draft vocabulary"]

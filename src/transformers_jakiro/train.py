@@ -267,11 +267,11 @@ def assistant_tokens(examples) -> list[int]:
     return [t for e in examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m]
 
 
-def select_draft_vocab(examples, size: int, vocab_size: int, always=()) -> torch.LongTensor:
-    """The `size` most frequent assistant tokens (ties: lower id first) plus the `always` ids (EOS), sorted.
-    Fewer when the data holds fewer distinct tokens: a draft logit for a token never seen in training is useless."""
-    tokens = torch.tensor(assistant_tokens(examples))
-    counts = torch.bincount(tokens, minlength=vocab_size).double()
+def select_draft_vocab(tokens: list[int], size: int, vocab_size: int, always=()) -> torch.LongTensor:
+    """The `size` most frequent of `tokens` (the training data's `assistant_tokens`; ties: lower id first) plus the
+    `always` ids (EOS), sorted. Fewer when the data holds fewer distinct tokens: a draft logit for a token never seen
+    in training is useless."""
+    counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab_size).double()
     always = [t for t in always if t is not None and 0 <= t < vocab_size]
     counts[always] = float("inf")
     order = torch.argsort(-counts, stable=True)
@@ -698,8 +698,9 @@ def train_head(
     overrides = dict(head_overrides or {})
     d2t = None
     if config.draft_vocab_size:
+        trained_tokens = assistant_tokens(examples)
         d2t = select_draft_vocab(
-            examples, config.draft_vocab_size, target.config.vocab_size, _eos_ids(target, tokenizer)
+            trained_tokens, config.draft_vocab_size, target.config.vocab_size, _eos_ids(target, tokenizer)
         )
         if len(d2t) < config.draft_vocab_size:
             print(f"draft vocabulary: the data holds only {len(d2t)} distinct assistant tokens; using {len(d2t)}")
@@ -710,7 +711,7 @@ def train_head(
             draft.d2t.copy_(d2t)
             # Start from the target's own output rows: the reduced head begins as an exact slice of the target's.
             draft.lm_head.weight.copy_(target.get_output_embeddings().weight[d2t.to(target.device)].float())
-        coverage = draft.in_vocabulary(assistant_tokens(examples)).float().mean().item()
+        coverage = draft.in_vocabulary(trained_tokens).float().mean().item()
         data_stats["draft_vocab_coverage"] = coverage
         print(
             f"draft vocabulary: {len(d2t)} tokens hold {data_stats['draft_vocab_coverage']:.1%} of the training "
