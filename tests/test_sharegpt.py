@@ -1,10 +1,11 @@
-"""Training data sources: ShareGPT JSON arrays cut off mid-record, `:N` limits, several sources, benchmark dedup."""
+"""Training data sources: ShareGPT JSON arrays cut off mid-record, `:N` limits and `:START-END` ranges, several
+sources, benchmark dedup."""
 
 import json
 
 import pytest
 
-from transformers_jakiro.sharegpt import iter_json_array, read_sources, sharegpt_messages
+from transformers_jakiro.sharegpt import is_data_spec, iter_json_array, read_sources, sharegpt_messages
 from transformers_jakiro.train import read_conversations
 
 
@@ -59,6 +60,28 @@ def test_sources_limits_mixing_and_benchmark_exclusion(tmp_path):
     assert len(conversations) == 3 and not bad
     with pytest.raises(FileNotFoundError, match="training data not found"):
         read_sources(str(tmp_path / "missing.jsonl,sharegpt:1"), sharegpt_messages)
+
+
+def test_source_ranges_take_what_a_longer_limit_adds(tmp_path):
+    array = tmp_path / "sharegpt.json"
+    write_truncated_array(array, [record(0), record(1, first="gpt"), record(2), record(3, prompt="Bench  Question?"),
+                                  record(4), record(5), record(6), record(7)])
+    firsts = lambda spec: [m[0]["content"] for m in read_sources(spec, sharegpt_messages, {"bench question?"})[0]]
+    usable = firsts(f"{array}")  # record 7 is the truncated tail
+    assert usable == ["question 0", "question 2", "question 4", "question 5", "question 6"]
+    # START-END counts usable conversations like :N, so :2 and :2-4 split :4 exactly, and :2- runs to the end
+    assert firsts(f"{array}:2") + firsts(f"{array}:2-4") == firsts(f"{array}:4") == usable[:4]
+    assert firsts(f"{array}:2-") == usable[2:]
+    assert firsts(f"{array}:4-100") == usable[4:]
+    # skips before the range belong to another run's report; those inside it are reported
+    reasons = lambda spec: [reason for _, reason in read_sources(spec, sharegpt_messages, {"bench question?"})[1]]
+    assert reasons(f"{array}:1-3") == ["does not start with a human turn", "benchmark prompt"]
+    assert reasons(f"{array}:2-3") == ["benchmark prompt"]
+    assert reasons(f"{array}:3-") == []
+    assert is_data_spec(f"{array}:2-4") and is_data_spec("distilled.jsonl:10-")
+    assert not is_data_spec(str(tmp_path / "plain.jsonl"))
+    with pytest.raises(ValueError, match="END > START"):
+        read_sources(f"{array}:4-2", sharegpt_messages)
 
 
 def test_distill_reads_first_human_turns_from_a_data_spec(tmp_path):

