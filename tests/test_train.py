@@ -305,7 +305,8 @@ def test_init_from_a_head_copies_its_weights_and_the_rows_of_shared_vocabulary(t
     new = JakiroDraftModel.from_target(target, draft_vocab_size=4)
     new.d2t.copy_(torch.tensor([3, 5, 9, 20]))
     before = new.lm_head.weight.detach().clone()
-    assert init_from_head(new, old) == {"lm_head rows carried over": 2, "of": 4}
+    # 2 shared rows are too few to fit a map for the other rows: they keep the target's rows
+    assert init_from_head(new, old) == {"lm_head rows carried over": 2, "mapped from the target's": 0, "of": 4}
     assert torch.equal(new.fc.weight, old.fc.weight) and torch.equal(new.layer.moe.gate.weight, old.layer.moe.gate.weight)
     assert torch.equal(new.lm_head.weight[1], old.lm_head.weight[1]) and torch.equal(new.lm_head.weight[2], old.lm_head.weight[3])
     assert torch.equal(new.lm_head.weight[[0, 3]], before[[0, 3]])  # tokens the old head never had
@@ -313,6 +314,25 @@ def test_init_from_a_head_copies_its_weights_and_the_rows_of_shared_vocabulary(t
     other = JakiroDraftModel.from_target(target, num_experts=1, num_experts_per_tok=1, contrastive_head=False)
     with pytest.raises(ValueError, match="another target or shape.*num_experts"):
         init_from_head(new, other)
+
+
+def test_init_from_maps_the_rows_of_new_tokens_as_training_moved_the_shared_ones(target):
+    # a trained head's rows drift away from the target's lm_head rows they started as (here: by a known linear map);
+    # rows for tokens the head never had must follow that drift, or the raw target rows outscore every trained row
+    torch.manual_seed(0)
+    hidden, rows_of = target.config.hidden_size, target.get_output_embeddings().weight.detach()
+    drift = torch.randn(hidden, hidden) / hidden**0.5
+    old = JakiroDraftModel.from_target(target, draft_vocab_size=100)
+    old.d2t.copy_(torch.arange(0, 100))
+    with torch.no_grad():
+        old.lm_head.weight.copy_(rows_of[:100] @ drift)
+    new = JakiroDraftModel.from_target(target, draft_vocab_size=100)
+    with torch.no_grad():  # as train_head builds it: the target's rows of the new vocabulary
+        new.d2t.copy_(torch.arange(20, 120))  # 80 tokens shared (>= hidden size: enough to fit the map), 20 new
+        new.lm_head.weight.copy_(rows_of[20:120])
+    assert init_from_head(new, old) == {"lm_head rows carried over": 80, "mapped from the target's": 20, "of": 100}
+    assert torch.equal(new.lm_head.weight[:80], old.lm_head.weight[20:])
+    torch.testing.assert_close(new.lm_head.weight[80:], rows_of[100:120] @ drift, atol=1e-4, rtol=1e-4)
 
 
 def test_loss_falls_over_a_few_dozen_steps(tmp_path, target, tokenizer, data_file):

@@ -282,8 +282,12 @@ def select_draft_vocab(tokens: list[int], size: int, vocab_size: int, always=())
 def init_from_head(draft: JakiroDraftModel, head: JakiroDraftModel) -> dict:
     """Start `draft` from a trained `head` of the same target and shape (warm start: fine-tune a published head on
     new data instead of training from scratch). Every weight is copied except the reduced lm_head, whose
-    vocabulary the new data may choose differently: a row is copied for each token both vocabularies hold, and the
-    others keep their initialisation (the target's own lm_head row). Returns how many rows were carried over."""
+    vocabulary the new data may choose differently: a row is copied for each token both vocabularies hold. The
+    other rows start as the target's lm_head rows (the from-scratch initialisation) mapped by the linear map that
+    best takes the target's rows of the shared tokens to the head's trained rows: training moves the rows away from
+    the target's, so raw target rows outscore every trained row and the warm start would predict almost only new
+    tokens (SmolLM2: 9% top-1 agreement with the head, against 76% with the mapped rows). Returns how many rows were
+    carried over and how many were mapped."""
     shape = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts", "expert_intermediate_size",
              "contrastive_head", "vocab_size", "target_model_type")
     differences = [f"{k}: {getattr(head.config, k)!r} vs {getattr(draft.config, k)!r}" for k in shape
@@ -294,16 +298,25 @@ def init_from_head(draft: JakiroDraftModel, head: JakiroDraftModel) -> dict:
     missing = draft.load_state_dict(state, strict=False).missing_keys
     if any(not k.startswith(("lm_head.", "d2t")) for k in missing):
         raise ValueError(f"--init-from: the head lacks weights {missing}")
-    rows = 0
+    carried = mapped = 0
     with torch.no_grad():
         if draft.lm_head is not None and head.lm_head is not None:
+            weight = draft.lm_head.weight
             old = {int(t): i for i, t in enumerate(head.d2t.tolist())}
             pairs = [(i, old[int(t)]) for i, t in enumerate(draft.d2t.tolist()) if int(t) in old]
+            shared = {i for i, _ in pairs}
+            others = torch.tensor([i for i in range(weight.shape[0]) if i not in shared], dtype=torch.long)
             if pairs:
                 new_rows, old_rows = map(torch.tensor, zip(*pairs))
-                draft.lm_head.weight[new_rows] = head.lm_head.weight[old_rows].to(draft.lm_head.weight)
-            rows = len(pairs)
-    return {"lm_head rows carried over": rows, "of": None if draft.lm_head is None else draft.lm_head.out_features}
+                trained = head.lm_head.weight[old_rows].float()
+                if len(others) and len(pairs) >= weight.shape[1]:  # enough shared rows to fit the map
+                    to_trained = torch.linalg.lstsq(weight[new_rows].float(), trained).solution
+                    weight[others] = (weight[others].float() @ to_trained).to(weight)
+                    mapped = len(others)
+                weight[new_rows] = trained.to(weight)
+            carried = len(pairs)
+    out_features = None if draft.lm_head is None else draft.lm_head.out_features
+    return {"lm_head rows carried over": carried, "mapped from the target's": mapped, "of": out_features}
 
 
 def _eos_ids(target, tokenizer) -> list[int]:
