@@ -733,7 +733,8 @@ def train_head(
     if init_from:
         carried = init_from_head(draft, JakiroDraftModel.from_pretrained(init_from, dtype=torch.float32))
         print(f"--init-from {init_from}: {carried}")
-        data_stats["init_from"] = f"{init_from} ({carried['lm_head rows carried over']} lm_head rows carried over)"
+        rows, mapped = carried["lm_head rows carried over"], carried["mapped from the target's"]
+        data_stats["init_from"] = f"{init_from} ({rows} lm_head rows carried over, {mapped} mapped from the target's)"
     check_output_dir(out, draft.config, overwrite, main_process=config.process_index == 0)
 
     trainer = JakiroTrainer(
