@@ -418,6 +418,12 @@ def test_train_head_reduced_vocab_round_trip_tau_and_card(tmp_path, target, toke
         assert torch.equal(
             target.generate(**ids, assistant_model=head, do_sample=False, max_new_tokens=8, pad_token_id=0), plain
         )
+    # a warm start from it with a larger vocabulary: its 40 rows carried over, and the card says so (40 shared rows
+    # are too few to fit the 64-wide map for the 20 new ones; the map itself has its own test)
+    more = config(tmp_path, max_steps=1, draft_vocab_size=60, output_dir=str(tmp_path / "more"))
+    report = train_head(target, tokenizer, data_file, more, eval_size=0, init_from=str(out))
+    assert report["summary"]["initialised from"] == f"{out} (40 lm_head rows carried over, 0 mapped from the target's)"
+    assert JakiroDraftModel.from_pretrained(tmp_path / "more").config.draft_vocab_size == 60
 
 
 def test_output_dir_with_a_different_head(tmp_path, target, tokenizer, data_file):
