@@ -424,6 +424,12 @@ def test_train_head_reduced_vocab_round_trip_tau_and_card(tmp_path, target, toke
     report = train_head(target, tokenizer, data_file, more, eval_size=0, init_from=str(out))
     assert report["summary"]["initialised from"] == f"{out} (40 lm_head rows carried over, 0 mapped from the target's)"
     assert JakiroDraftModel.from_pretrained(tmp_path / "more").config.draft_vocab_size == 60
+    # without --draft-vocab a warm start keeps the head's vocabulary: every row carried over, none re-chosen
+    same = config(tmp_path, max_steps=1, output_dir=str(tmp_path / "same"))
+    report = train_head(target, tokenizer, data_file, same, eval_size=0, init_from=str(out))
+    assert report["summary"]["initialised from"] == f"{out} (40 lm_head rows carried over, 0 mapped from the target's)"
+    assert report["summary"]["draft vocabulary"].startswith("40 tokens: the vocabulary of the head it started from")
+    assert JakiroDraftModel.from_pretrained(tmp_path / "same").d2t.tolist() == d2t
 
 
 def test_output_dir_with_a_different_head(tmp_path, target, tokenizer, data_file):

