@@ -132,6 +132,9 @@ def test_cli_distill_reports_bad_lines(tmp_path, capsys, target_and_tokenizer):
         "--max-new-tokens",
         "4",
     ]
+    assert cli.main(argv + ["--limit", "2", "--max-prompt-tokens", "1"]) == 0  # every prompt is longer
+    printed = capsys.readouterr().out
+    assert "0 responses written" in printed and "2 prompts over --max-prompt-tokens skipped" in printed
     assert cli.main(argv + ["--limit", "2"]) == 0
     captured = capsys.readouterr()
     assert "skipped line 3" in captured.err and "skipped line 10" in captured.err
@@ -144,3 +147,25 @@ def test_cli_distill_reports_bad_lines(tmp_path, capsys, target_and_tokenizer):
         == 2
     )
     assert "prompts file not found" in capsys.readouterr().err
+
+
+def test_max_prompt_tokens_skips_long_prompts_and_counts_them(tmp_path, target_and_tokenizer):
+    target, tokenizer = target_and_tokenizer
+    prompts = [("short", "ab"), ("long", "ab " * 40), ("mid", "ab cd ef")]
+
+    def rendered_length(text):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    limit = rendered_length("ab cd ef")
+    assert rendered_length("ab") < limit < rendered_length("ab " * 40)
+    out = tmp_path / "data.jsonl"
+    first = distill(target, tokenizer, prompts, out, max_new_tokens=4, max_prompt_tokens=limit, progress=False)
+    assert first["too_long"] == 1 and first["generated"] == 2 and first["already_done"] == 0
+    assert sorted(r["id"] for r in _records(out)) == ["mid", "short"]
+    # A skipped prompt is not "done": without the bound a rerun answers it.
+    second = distill(target, tokenizer, prompts, out, max_new_tokens=4, progress=False)
+    assert second["too_long"] == 0 and second["already_done"] == 2 and second["generated"] == 1
+    assert sorted(r["id"] for r in _records(out)) == ["long", "mid", "short"]

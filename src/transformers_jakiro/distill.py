@@ -127,11 +127,15 @@ def distill(
     temperature: float = 0.0,
     limit: int | None = None,
     progress: bool = True,
+    max_prompt_tokens: int | None = None,
 ) -> dict:
     """Generate `target`'s responses to `prompts` ([(id, text)] or a JSONL path) and append them to `out_path`.
 
     Greedy when `temperature == 0`, sampled otherwise. `limit` keeps the first N prompts of the input (before
-    skipping those already done, so a rerun with the same limit completes the same set). Returns a summary dict.
+    skipping those already done, so a rerun with the same limit completes the same set). `max_prompt_tokens` skips
+    prompts longer than that many tokens under the chat template (counted as `too_long`): a training window holds
+    prompt and answer together, and one long prompt in a left-padded batch makes every row of the batch pay for it.
+    Returns a summary dict.
     """
     bad = []
     if not isinstance(prompts, list):
@@ -144,9 +148,12 @@ def distill(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out_path)
     todo = [(pid, text) for pid, text in prompts if pid not in done]
-    # Similar lengths in one batch waste less compute on padding.
     rendered = {pid: _render(tokenizer, text) for pid, text in todo}
-    todo.sort(key=lambda item: len(rendered[item[0]]))
+    lengths = {pid: len(tokenizer(rendered[pid], add_special_tokens=False)["input_ids"]) for pid, _ in todo}
+    kept = [item for item in todo if max_prompt_tokens is None or lengths[item[0]] <= max_prompt_tokens]
+    too_long, todo = len(todo) - len(kept), kept
+    # Similar lengths in one batch waste less compute on padding.
+    todo.sort(key=lambda item: lengths[item[0]])
 
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # every row continues at its last position
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -182,8 +189,9 @@ def distill(
     seconds = time.perf_counter() - started
     summary = dict(
         prompts=len(prompts),
-        already_done=len(prompts) - len(todo),
+        already_done=len(prompts) - len(todo) - too_long,
         generated=len(todo),
+        too_long=too_long,
         bad_lines=len(bad),
         new_tokens=new_tokens,
         hit_max_new_tokens=int(truncated),
@@ -217,6 +225,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 = sampled")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
     parser.add_argument("--dtype", default="float32", help="target dtype: float32 or bfloat16")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="skip prompts longer than N tokens under the chat template (keep N well under the "
+                        "training --max-length; one long prompt slows its whole left-padded batch)")
 
 
 def load_target_or_explain(name: str, dtype="float32"):
@@ -239,11 +250,13 @@ def run(args) -> int:
         raise FileNotFoundError(f"prompts file not found: {args.prompts}")
     target, tokenizer = load_target_or_explain(args.target, args.dtype)
     summary = distill(
-        target, tokenizer, args.prompts, args.out, args.max_new_tokens, args.batch_size, args.temperature, args.limit
+        target, tokenizer, args.prompts, args.out, args.max_new_tokens, args.batch_size, args.temperature, args.limit,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
     print(
         f"distill: {summary['generated']} responses written to {summary['out']} ({summary['already_done']} already "
-        f"there, {summary['bad_lines']} bad lines skipped); {summary['new_tokens']} tokens in {summary['seconds']} s "
+        f"there, {summary['bad_lines']} bad lines skipped, {summary['too_long']} prompts over --max-prompt-tokens "
+        f"skipped); {summary['new_tokens']} tokens in {summary['seconds']} s "
         f"= {summary['tokens_per_s']} tok/s; {summary['hit_max_new_tokens']} responses hit --max-new-tokens"
     )
     return 0
