@@ -17,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-from transformers_jakiro.distill import _render, prompt_of, record_id
+from transformers_jakiro.distill import prompt_length, prompt_of, record_id
 from transformers_jakiro.sharegpt import benchmark_prompts, read_sources
 from transformers_jakiro.targets import load_target
 
@@ -54,7 +54,7 @@ def main() -> None:
         if row["id"] in seen:
             continue
         seen.add(row["id"])
-        if len(tokenizer(_render(tokenizer, row["prompt"]), add_special_tokens=False)["input_ids"]) <= args.max_prompt_tokens:
+        if prompt_length(tokenizer, row["prompt"]) <= args.max_prompt_tokens:
             kept.append(row)
     with open(args.out, "w", encoding="utf-8") as out:
         for row in kept:

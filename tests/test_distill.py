@@ -8,7 +8,7 @@ from chat_tokenizer import make_tokenizer
 from tiny_models import make_target
 
 from transformers_jakiro import cli
-from transformers_jakiro.distill import distill, read_prompts
+from transformers_jakiro.distill import distill, prompt_length, read_prompts
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,8 @@ def test_max_prompt_tokens_skips_long_prompts_and_counts_them(tmp_path, target_a
 
     limit = rendered_length("ab cd ef")
     assert rendered_length("ab") < limit < rendered_length("ab " * 40)
+    # The public helper (also used by scripts/smollm2_sharegpt_prompts.py) counts the same way.
+    assert [prompt_length(tokenizer, text) for _, text in prompts] == [rendered_length(text) for _, text in prompts]
     out = tmp_path / "data.jsonl"
     first = distill(target, tokenizer, prompts, out, max_new_tokens=4, max_prompt_tokens=limit, progress=False)
     assert first["too_long"] == 1 and first["generated"] == 2 and first["already_done"] == 0

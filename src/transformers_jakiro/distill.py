@@ -110,10 +110,16 @@ def _done_ids(out_path: Path) -> set[str]:
     return {pid for _, pid in good}
 
 
-def _render(tokenizer, prompt: str) -> str:
+def render_prompt(tokenizer, prompt: str) -> str:
+    """`prompt` as one user turn under the target's chat template, ending where the assistant's answer starts."""
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
+
+
+def prompt_length(tokenizer, prompt: str) -> int:
+    """Tokens of `prompt` under the chat template: what `--max-prompt-tokens` bounds."""
+    return len(tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
 
 
 @torch.no_grad()
@@ -148,8 +154,8 @@ def distill(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out_path)
     todo = [(pid, text) for pid, text in prompts if pid not in done]
-    rendered = {pid: _render(tokenizer, text) for pid, text in todo}
-    lengths = {pid: len(tokenizer(rendered[pid], add_special_tokens=False)["input_ids"]) for pid, _ in todo}
+    rendered = {pid: render_prompt(tokenizer, text) for pid, text in todo}
+    lengths = {pid: prompt_length(tokenizer, text) for pid, text in todo}
     kept = [item for item in todo if max_prompt_tokens is None or lengths[item[0]] <= max_prompt_tokens]
     too_long, todo = len(todo) - len(kept), kept
     # Similar lengths in one batch waste less compute on padding.
@@ -268,4 +274,4 @@ def add_cli(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-__all__ = ["distill", "read_prompts", "prompt_of"]
+__all__ = ["distill", "read_prompts", "prompt_of", "render_prompt", "prompt_length"]

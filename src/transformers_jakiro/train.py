@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, Trainer, TrainerCallback, TrainingArguments
 
 from .bench import acceptance_profile, format_acceptance
-from .distill import _render, load_target_or_explain, read_jsonl, read_prompts
+from .distill import load_target_or_explain, read_jsonl, read_prompts, render_prompt
 from .feature_store import FeatureStore, conversation_key, target_fingerprint
 from .generation import TreeSettings
 from .modeling_jakiro import JakiroDraftModel
@@ -585,7 +585,7 @@ def evaluate_tau(target, tokenizer, draft, prompts: list[tuple[str, str]], max_n
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = []
     for pid, text in prompts:
-        inputs = tokenizer(_render(tokenizer, text), return_tensors="pt", add_special_tokens=False).to(device)
+        inputs = tokenizer(render_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=False).to(device)
         target.generate(
             **inputs, assistant_model=draft, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id
         )
