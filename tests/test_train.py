@@ -17,8 +17,11 @@ from transformers_jakiro.train import (
     JakiroCollator,
     JakiroTrainer,
     JakiroTrainingConfig,
+    _command,
+    add_arguments,
     assistant_tokens,
     build_examples,
+    config_from_args,
     evaluate_tau,
     init_from_head,
     read_conversations,
@@ -536,3 +539,21 @@ def test_smollm2_distill_train_raises_tau(tmp_path, smollm2):
     baseline = evaluate_tau(model, tok, untrained, prompts, max_new_tokens=32)["tau"]
     print(f"tau untrained {baseline:.2f}, trained {trained:.2f}")
     assert trained > baseline + 0.3
+
+
+def test_cli_loss_weights_reach_the_training_config(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--target", "t", "--data", "d.jsonl", "--out", str(tmp_path / "head")]
+    args = parser.parse_args(base + ["--left-ce-weight", "1.0", "--right-feature-weight", "0"])
+    config = config_from_args(args)
+    assert config.left_ce_weight == 1.0 and config.right_feature_weight == 0.0
+    defaults = config_from_args(parser.parse_args(base))
+    # Flags not given keep the recipe's weights, and the card's command line records the given ones.
+    assert (defaults.left_feature_weight, defaults.left_ce_weight) == (1.0, 0.1)
+    assert (defaults.right_feature_weight, defaults.right_ce_weight) == (0.5, 0.05)
+    assert config.left_feature_weight == 1.0 and config.right_ce_weight == 0.05
+    assert "--left-ce-weight 1.0" in _command(args) and "--right-feature-weight 0.0" in _command(args)
+    assert "--eval-size 0" in _command(parser.parse_args(base + ["--eval-size", "0"]))

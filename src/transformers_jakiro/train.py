@@ -48,6 +48,10 @@ def _tensorboard_available() -> bool:
     return True
 
 
+# The four terms of the loss (`JakiroTrainer._step_loss`), each settable from the command line.
+LOSS_WEIGHTS = ("left_feature_weight", "left_ce_weight", "right_feature_weight", "right_ce_weight")
+
+
 @dataclass
 class JakiroTrainingConfig(TrainingArguments):
     """`TrainingArguments` with the Jakiro recipe as defaults (AdamW lr 9e-5, wd 1e-3, betas (0.9, 0.95), cosine
@@ -901,6 +905,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default 0",
     )
     parser.add_argument("--feature-noise", type=float, default=None, help="default 0.2; 0 = no input noise")
+    for name in LOSS_WEIGHTS:
+        spec = JakiroTrainingConfig.__dataclass_fields__[name]
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=float, default=None,
+            help=f"loss weight: {spec.metadata['help']}; default {spec.default}",
+        )
     parser.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps; default 500")
     parser.add_argument("--logging-steps", type=int, default=None, help="default 10")
     parser.add_argument("--seed", type=int, default=None)
@@ -952,6 +962,7 @@ def config_from_args(args) -> JakiroTrainingConfig:
         drop_longer=args.drop_longer or None,
         warmup_steps=args.warmup,
         feature_noise=args.feature_noise,
+        **{name: getattr(args, name) for name in LOSS_WEIGHTS},
         unroll_steps=args.unroll_steps,
         save_steps=args.save_steps,
         logging_steps=args.logging_steps,
@@ -973,7 +984,8 @@ def _command(args) -> str:
     parts = ["jakiro train"]
     for key, value in vars(args).items():
         defaults = (key == "eval_size" and value == 4) or (key == "save_dtype" and value == "float32")
-        if key in ("func", "command") or value in (None, False) or defaults:
+        # `is`, not `in (None, False)`: 0 == False, and `--eval-size 0` or a zero loss weight must stay in the line.
+        if key in ("func", "command") or value is None or value is False or defaults:
             continue
         parts.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
     return " ".join(parts)
