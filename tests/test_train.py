@@ -338,6 +338,29 @@ def test_init_from_maps_the_rows_of_new_tokens_as_training_moved_the_shared_ones
     torch.testing.assert_close(new.lm_head.weight[80:], rows_of[100:120] @ drift, atol=1e-4, rtol=1e-4)
 
 
+def test_init_from_widens_the_experts_without_changing_what_the_head_computes(target):
+    torch.manual_seed(0)
+    old = JakiroDraftModel.from_target(target)
+    for parameter in old.parameters():  # a "trained" head: no zero rows or columns anywhere
+        torch.nn.init.normal_(parameter, std=0.1)
+    width = old.config.expert_intermediate_size
+    new = JakiroDraftModel.from_target(target, expert_intermediate_size=3 * width)
+    init_from_head(new, old)
+    experts = new.layer.moe.experts
+    assert experts[0].up_proj.weight.shape[0] == 3 * width
+    assert torch.equal(experts[1].gate_proj.weight[:width], old.layer.moe.experts[1].gate_proj.weight)
+    assert experts[0].up_proj.weight[width:].abs().sum() > 0  # new units can learn: not all-zero
+    assert not experts[0].down_proj.weight[:, width:].any()  # ...and add nothing until they do
+    ids = torch.randint(0, target.config.vocab_size, (1, 7))
+    features = torch.randn(1, 7, target.config.hidden_size)
+    with torch.no_grad():
+        a, b = old(input_ids=ids, hidden_states=features), new(input_ids=ids, hidden_states=features)
+    torch.testing.assert_close(b.last_hidden_state, a.last_hidden_state)
+    torch.testing.assert_close(b.contrastive_hidden_state, a.contrastive_hidden_state)
+    with pytest.raises(ValueError, match="expert_intermediate_size.*widened, not narrowed"):
+        init_from_head(JakiroDraftModel.from_target(target), new)
+
+
 def test_loss_falls_over_a_few_dozen_steps(tmp_path, target, tokenizer, data_file):
     examples = examples_of(data_file, tokenizer)
     draft = JakiroDraftModel.from_target(target)
@@ -557,3 +580,4 @@ def test_cli_loss_weights_reach_the_training_config(tmp_path):
     assert config.left_feature_weight == 1.0 and config.right_ce_weight == 0.05
     assert "--left-ce-weight 1.0" in _command(args) and "--right-feature-weight 0.0" in _command(args)
     assert "--eval-size 0" in _command(parser.parse_args(base + ["--eval-size", "0"]))
+    assert parser.parse_args(base + ["--expert-size", "1536"]).expert_size == 1536

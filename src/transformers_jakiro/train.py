@@ -291,14 +291,24 @@ def init_from_head(draft: JakiroDraftModel, head: JakiroDraftModel) -> dict:
     best takes the target's rows of the shared tokens to the head's trained rows: training moves the rows away from
     the target's, so raw target rows outscore every trained row and the warm start would predict almost only new
     tokens (SmolLM2: 9% top-1 agreement with the head, against 76% with the mapped rows). Returns how many rows were
-    carried over and how many were mapped."""
-    shape = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts", "expert_intermediate_size",
-             "contrastive_head", "vocab_size", "target_model_type")
+    carried over and how many were mapped.
+
+    `draft` may have wider experts than `head` (`expert_intermediate_size`, `jakiro train --expert-size`): the
+    head's units are copied into the first columns and the new units' down-projection starts at zero, so the
+    widened head computes exactly what `head` did and training grows the new units from there."""
+    shape = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts", "contrastive_head",
+             "vocab_size", "target_model_type")
     differences = [f"{k}: {getattr(head.config, k)!r} vs {getattr(draft.config, k)!r}" for k in shape
                    if getattr(head.config, k) != getattr(draft.config, k)]
+    if draft.config.expert_intermediate_size < head.config.expert_intermediate_size:
+        differences.append(
+            f"expert_intermediate_size: {head.config.expert_intermediate_size} vs {draft.config.expert_intermediate_size}"
+            " (experts can be widened, not narrowed)"
+        )
     if differences:
         raise ValueError(f"--init-from: that head was built for another target or shape ({'; '.join(differences)}).")
     state = {k: v for k, v in head.state_dict().items() if not k.startswith(("lm_head.", "d2t"))}
+    state = _widen_experts(state, draft.state_dict())
     missing = draft.load_state_dict(state, strict=False).missing_keys
     if any(not k.startswith(("lm_head.", "d2t")) for k in missing):
         raise ValueError(f"--init-from: the head lacks weights {missing}")
@@ -321,6 +331,24 @@ def init_from_head(draft: JakiroDraftModel, head: JakiroDraftModel) -> dict:
             carried = len(pairs)
     out_features = None if draft.lm_head is None else draft.lm_head.out_features
     return {"lm_head rows carried over": carried, "mapped from the target's": mapped, "of": out_features}
+
+
+def _widen_experts(state: dict, wider: dict) -> dict:
+    """`state` with each expert matrix that is narrower than its counterpart in `wider` (the new draft's state) placed
+    into the first units of that counterpart; the new units keep their initialisation in gate_proj/up_proj and get
+    zero columns in down_proj, so they add nothing until trained."""
+    out = dict(state)
+    for key, value in state.items():
+        if ".experts." not in key or value.shape == wider[key].shape:
+            continue
+        grown = wider[key].detach().clone()
+        if key.endswith("down_proj.weight"):  # [hidden, units]
+            grown[:, value.shape[1] :] = 0
+            grown[:, : value.shape[1]] = value
+        else:  # gate_proj / up_proj: [units, hidden]
+            grown[: value.shape[0]] = value
+        out[key] = grown
+    return out
 
 
 def _eos_ids(target, tokenizer) -> list[int]:
@@ -949,6 +977,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of the published weights (bfloat16: half the size); training stays fp32")
     for name in ("total-tokens", "depth", "top-k"):
         parser.add_argument(f"--{name}", type=int, default=None, help="tree default stored in the head's config")
+    parser.add_argument(
+        "--expert-size", type=int, default=None,
+        help="units per expert MLP (default: the hidden size, as in Jakiro); with --init-from it may exceed the "
+        "head's, whose experts are then widened without changing what the head computes",
+    )
 
 
 def config_from_args(args) -> JakiroTrainingConfig:
@@ -1004,6 +1037,8 @@ def run(args) -> int:
             print(f"{args.eval_prompts}:{number}: skipped ({reason})", file=sys.stderr)
     target, tokenizer = load_target_or_explain(args.target, "bfloat16" if args.bf16 else "float32")
     heads = {k: getattr(args, k) for k in ("total_tokens", "depth", "top_k") if getattr(args, k) is not None}
+    if args.expert_size is not None:
+        heads["expert_intermediate_size"] = args.expert_size
     train_head(
         target,
         tokenizer,
