@@ -119,7 +119,11 @@ def render_prompt(tokenizer, prompt: str) -> str:
 
 def prompt_length(tokenizer, prompt: str) -> int:
     """Tokens of `prompt` under the chat template: what `--max-prompt-tokens` bounds."""
-    return len(tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+    return _rendered_length(tokenizer, render_prompt(tokenizer, prompt))
+
+
+def _rendered_length(tokenizer, rendered: str) -> int:
+    return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
 @torch.no_grad()
@@ -155,7 +159,7 @@ def distill(
     done = _done_ids(out_path)
     todo = [(pid, text) for pid, text in prompts if pid not in done]
     rendered = {pid: render_prompt(tokenizer, text) for pid, text in todo}
-    lengths = {pid: prompt_length(tokenizer, text) for pid, text in todo}
+    lengths = {pid: _rendered_length(tokenizer, rendered[pid]) for pid, _ in todo}  # = prompt_length, rendered once
     kept = [item for item in todo if max_prompt_tokens is None or lengths[item[0]] <= max_prompt_tokens]
     too_long, todo = len(todo) - len(kept), kept
     # Similar lengths in one batch waste less compute on padding.
