@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from tiny_models import ARCHS, make_target
 from transformers_jakiro import JakiroDraftModel, modeling_jakiro
-from transformers_jakiro.features import LastHiddenState
+from transformers_jakiro.features import TargetFeatures
 
 
 def largest_allocation(fn) -> tuple[int, str]:
@@ -49,7 +49,7 @@ def test_captured_last_hidden_state_is_the_last_entry_of_hidden_states(arch):
     prompt = torch.randint(3, 128, (1, 17))
     with torch.no_grad():
         expected = target(prompt, output_hidden_states=True).hidden_states[-1]
-        with LastHiddenState(target) as hidden:
+        with TargetFeatures(target) as hidden:
             assert hidden.forward_kwargs() == {}
             got = hidden.take(target(prompt))
     assert torch.equal(got, expected)

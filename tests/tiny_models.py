@@ -24,20 +24,21 @@ _COMMON = dict(
     pad_token_id=0,
 )
 
+# Each takes config overrides that shape the model (e.g. num_hidden_layers: some configs derive fields from it).
 CONFIGS = {
-    "llama": lambda: LlamaConfig(**_COMMON),
-    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
-    "qwen2": lambda: Qwen2Config(**_COMMON, use_sliding_window=False),
-    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16, use_sliding_window=False),
-    "phi3": lambda: Phi3Config(**_COMMON, sliding_window=None),
+    "llama": lambda **shape: LlamaConfig(**_COMMON | shape),
+    "mistral": lambda **shape: MistralConfig(**_COMMON | shape, sliding_window=None),
+    "qwen2": lambda **shape: Qwen2Config(**_COMMON | shape, use_sliding_window=False),
+    "qwen3": lambda **shape: Qwen3Config(**_COMMON | shape, head_dim=16, use_sliding_window=False),
+    "phi3": lambda **shape: Phi3Config(**_COMMON | shape, sliding_window=None),
 }
 ARCHS = list(CONFIGS)
 
 
-def make_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, **overrides):
+def make_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, num_hidden_layers: int = 2, **overrides):
     """A tiny random `*ForCausalLM` of the given family, in eval mode, with sdpa attention."""
     torch.manual_seed(seed)
-    config = CONFIGS[arch]()
+    config = CONFIGS[arch](num_hidden_layers=num_hidden_layers)
     for key, value in overrides.items():
         setattr(config, key, value)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
@@ -73,7 +74,10 @@ def quick_trained_draft(
             ]
         )
         out = target(sequences, output_hidden_states=True)
-        features, teacher = out.hidden_states[-1], out.logits.float().softmax(-1)
+        # The last hidden state, after the outputs of any layers the draft fuses (`target_feature_layers`).
+        states = out.hidden_states
+        features = torch.cat([states[i + 1] for i in draft.config.target_feature_layers] + [states[-1]], -1)
+        teacher = out.logits.float().softmax(-1)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
     draft.train()
     for step in range(steps):

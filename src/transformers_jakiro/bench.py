@@ -57,6 +57,7 @@ from transformers import LogitsProcessorList
 
 from .decoding import _cache_kwarg, lazy_leaf_head, verify_tree
 from .drafting import JakiroCandidateGenerator, TreeSettings
+from .features import TargetFeatures
 from .generation import tree_settings
 from .kv_cache import new_target_cache, truncate
 from .tree import DraftTree
@@ -372,8 +373,10 @@ def measure_costs(target, draft, input_ids, sizes=TUNE_SIZES, depths=TUNE_DEPTHS
     device = input_ids.device
     cache_kwarg = _cache_kwarg(target)
     cache = new_target_cache(target.config)
-    out = target(input_ids=input_ids, use_cache=True, output_hidden_states=True, **{cache_kwarg: cache})
-    features = out.hidden_states[-1][0]
+    layers = draft.config.target_feature_layers
+    with TargetFeatures(target, layers) as hidden:
+        out = target(input_ids=input_ids, use_cache=True, **hidden.forward_kwargs(), **{cache_kwarg: cache})
+        features = hidden.take(out)[0]
     past = cache.get_seq_length()
     context = torch.cat([input_ids, out.logits[:, -1:].argmax(-1)], dim=1)
 
@@ -396,7 +399,7 @@ def measure_costs(target, draft, input_ids, sizes=TUNE_SIZES, depths=TUNE_DEPTHS
         draft_s[depth] = _median_time(lambda: draft_round(generator), repeats, device)
 
     _, big_tree = fresh_generator(max(sizes), max(depths))
-    leaf_head = lazy_leaf_head(target, features[-1:], out.logits[0, -1:])
+    leaf_head = lazy_leaf_head(target, features[-1:, -draft.config.hidden_size :], out.logits[0, -1:])
     verify_s = {}
     for n in [0, *sizes]:  # n = 0: one token, the cost of a plain decoding step
         tree = _prefix_tree(big_tree, n).to_device(target.get_input_embeddings().weight.device)
@@ -405,7 +408,10 @@ def measure_costs(target, draft, input_ids, sizes=TUNE_SIZES, depths=TUNE_DEPTHS
             if n == 0:  # plain decoding: one token, its logits
                 target(input_ids=tree.tokens[None], use_cache=True, **{cache_kwarg: cache})
             else:  # the whole verification round as decoding runs it
-                verify_tree(target, cache, cache_kwarg, tree, context, LogitsProcessorList(), False, leaf_head)
+                verify_tree(
+                    target, cache, cache_kwarg, tree, context, LogitsProcessorList(), False, leaf_head,
+                    feature_layers=layers,
+                )
             truncate(cache, past)
 
         verify()  # warm-up

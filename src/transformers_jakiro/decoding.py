@@ -18,7 +18,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 
 from . import verification
 from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
-from .features import LastHiddenState
+from .features import TargetFeatures
 from .kv_cache import check_cache_supported, is_static, keep_accepted, new_target_cache, static_length, truncate
 from .logits import check_processors, process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
@@ -255,7 +255,8 @@ class VerifiedRound:
     token_ids: the same m tokens on the host (read in the round's one device-to-host copy).
     processed: [m, vocab] processed logits at the path's nodes: the scores of the round's m new tokens.
     raw:       [m, vocab] raw (float32) logits at the same nodes.
-    features:  [m, hidden] the target's last hidden states at the same nodes (the draft reads them next round).
+    features:  [m, width] the target's features at the same nodes (the draft reads them next round): the last hidden
+               states, after the outputs of the draft's `target_feature_layers` if it names any.
     lookup_accepted: accepted nodes that only the n-gram lookup proposed (read in the same copy); None when the tree
                had no lookup nodes.
     """
@@ -282,6 +283,7 @@ def verify_tree(
     padding=0,
     past: int | None = None,
     forward=None,
+    feature_layers=(),
 ):
     """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
     depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
@@ -295,14 +297,15 @@ def verify_tree(
     With a StaticCache the tree is written at `past` (the layers' `cumulative_length`), the mask spans the whole
     static length, and the accepted path is moved into place by index copies. `past`: the cached length when the
     caller knows it (a StaticCache reports it as a device tensor, which would cost a sync to read). `forward`: the
-    callable that runs the target (a compiled `target.__call__`); the target itself by default.
+    callable that runs the target (a compiled `target.__call__`); the target itself by default. `feature_layers`: the
+    decoder layers whose outputs the draft reads besides the last hidden state (`config.target_feature_layers`).
     """
     static = is_static(cache)
     if past is None:
         past = int(cache.get_seq_length())
     forward = target if forward is None else forward
     internal = tree.internal_nodes() if leaf_head is not None else None
-    with LastHiddenState(target) as hidden:
+    with TargetFeatures(target, feature_layers) as hidden:
         out = forward(
             input_ids=tree.tokens[None],
             position_ids=tree.position_ids(past - padding),
@@ -320,7 +323,8 @@ def verify_tree(
     leaf = {}
 
     def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
-        leaf["raw"] = leaf_head(features[node][None]).float()
+        last_hidden = features[node][None, ..., -leaf_head.weight.shape[1] :]  # after any fused layers' outputs
+        leaf["raw"] = leaf_head(last_hidden).float()
         leaf["processed"] = process_tree_logits(processors, sequence, tree, leaf["raw"], nodes=node[None])
         return leaf["processed"][0]
 
@@ -424,7 +428,8 @@ def jakiro_decode(
         if positions is None:
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         padded = dict(attention_mask=mask, position_ids=positions.to(target_device))
-    with LastHiddenState(target) as hidden:  # only the last layer's states: the prompt may be long
+    # Only the layers the draft reads are kept (by hooks), not every layer's states: the prompt may be long.
+    with TargetFeatures(target, draft.config.target_feature_layers) as hidden:
         out = target(
             input_ids=sequence,
             **padded,
@@ -442,7 +447,8 @@ def jakiro_decode(
     if candidates.lookup is not None:  # the prompt and the first token, once; later rounds add their own tokens
         candidates.extend_context(torch.cat([sequence[0, padding:], first.to(sequence.device)]).tolist())
     # The lazy leaf path keeps logits for a data-dependent set of nodes: a shape that changes every round.
-    leaf_head = None if fixed_shape else lazy_leaf_head(target, features[:, -1], last_logits)
+    last_hidden = features[:, -1, -draft.config.hidden_size :]
+    leaf_head = None if fixed_shape else lazy_leaf_head(target, last_hidden, last_logits)
     del features
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first, first.tolist(), processed, raw)
@@ -457,7 +463,8 @@ def jakiro_decode(
         tic = time.perf_counter()
         past = sequence.shape[1] - 1  # the cache holds everything but the root, the last accepted token
         verified = verify_tree(
-            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding, past, forward
+            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding, past, forward,
+            draft.config.target_feature_layers,
         )
         candidates.set_features(verified.features)
         stats.verify_time_s += time.perf_counter() - tic

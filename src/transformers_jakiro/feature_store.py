@@ -38,9 +38,11 @@ def conversation_key(input_ids, loss_mask) -> str:
     return digest.hexdigest()
 
 
-def target_fingerprint(target) -> dict:
+def target_fingerprint(target, feature_layers=()) -> dict:
     """What makes two targets' features interchangeable: the config's shape and the weights themselves (a digest of
-    the first values of every parameter: another checkpoint of the same architecture differs there)."""
+    the first values of every parameter: another checkpoint of the same architecture differs there), and which
+    decoder layers' outputs are stored beside the last hidden state (`feature_layers`, recorded only when some
+    are: stores of last hidden states alone keep their fingerprint)."""
     digest = hashlib.blake2b(digest_size=16)
     for name, parameter in target.named_parameters():
         digest.update(name.encode())
@@ -53,7 +55,7 @@ def target_fingerprint(target) -> dict:
         "vocab_size": config.vocab_size,
         "dtype": str(target.get_output_embeddings().weight.dtype).removeprefix("torch."),
         "weights": digest.hexdigest(),
-    }
+    } | ({"feature_layers": list(feature_layers)} if feature_layers else {})
 
 
 class FeatureStore:
@@ -68,9 +70,9 @@ class FeatureStore:
         if info.is_file():
             existing = json.loads(info.read_text())
             differences = [
-                f"{key}: {existing.get(key)!r} there, {value!r} now"
-                for key, value in fingerprint.items()
-                if existing.get(key) != value
+                f"{key}: {existing.get(key)!r} there, {fingerprint.get(key)!r} now"
+                for key in sorted(set(fingerprint) | set(existing))
+                if existing.get(key) != fingerprint.get(key)
             ]
             if differences:
                 raise ValueError(

@@ -29,6 +29,7 @@ _METRIC_LABELS = {
 _CONFIG_FIELDS = (
     "num_experts",
     "contrastive_head",
+    "target_feature_layers",
     "draft_vocab_size",
     "vocab_size",
     "hidden_size",

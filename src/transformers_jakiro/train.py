@@ -35,6 +35,7 @@ from transformers import DynamicCache, Trainer, TrainerCallback, TrainingArgumen
 from .bench import acceptance_profile, format_acceptance
 from .distill import load_target_or_explain, read_jsonl, read_prompts, render_prompt
 from .feature_store import FeatureStore, conversation_key, target_fingerprint
+from .features import check_feature_layers, default_feature_layers
 from .generation import TreeSettings
 from .modeling_jakiro import JakiroDraftModel
 from .sharegpt import benchmark_prompts, is_data_spec, read_sources, sharegpt_messages
@@ -295,7 +296,9 @@ def init_from_head(draft: JakiroDraftModel, head: JakiroDraftModel) -> dict:
 
     `draft` may have wider experts than `head` (`expert_intermediate_size`, `jakiro train --expert-size`): the
     head's units are copied into the first columns and the new units' down-projection starts at zero, so the
-    widened head computes exactly what `head` did and training grows the new units from there."""
+    widened head computes exactly what `head` did and training grows the new units from there. Likewise `draft` may
+    read more target layers (`target_feature_layers`, `jakiro train --feature-layers`) than a `head` that read the
+    last hidden state alone: its fusion starts by passing the last hidden state through, so it too starts as `head`."""
     shape = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts", "contrastive_head",
              "vocab_size", "target_model_type")
     differences = [f"{k}: {getattr(head.config, k)!r} vs {getattr(draft.config, k)!r}" for k in shape
@@ -305,12 +308,17 @@ def init_from_head(draft: JakiroDraftModel, head: JakiroDraftModel) -> dict:
             f"expert_intermediate_size: {head.config.expert_intermediate_size} vs {draft.config.expert_intermediate_size}"
             " (experts can be widened, not narrowed)"
         )
+    head_layers, layers = head.config.target_feature_layers, draft.config.target_feature_layers
+    if head_layers and head_layers != layers:
+        differences.append(f"target_feature_layers: {head_layers} vs {layers}")
     if differences:
         raise ValueError(f"--init-from: that head was built for another target or shape ({'; '.join(differences)}).")
     state = {k: v for k, v in head.state_dict().items() if not k.startswith(("lm_head.", "d2t"))}
     state = _widen_experts(state, draft.state_dict())
     missing = draft.load_state_dict(state, strict=False).missing_keys
-    if any(not k.startswith(("lm_head.", "d2t")) for k in missing):
+    # A head that read the last hidden state alone starts a fused one: the fusion keeps its pass-through start.
+    new = ("lm_head.", "d2t") + (("feature_norms.", "feature_fusion.") if not head_layers else ())
+    if any(not k.startswith(new) for k in missing):
         raise ValueError(f"--init-from: the head lacks weights {missing}")
     carried = mapped = 0
     with torch.no_grad():
@@ -451,18 +459,21 @@ class JakiroTrainer(Trainer):
             self.add_callback(_ClipGradValue(args.max_grad_value))
         self._metrics = defaultdict(list)
         self.tokens_seen = 0  # real (unpadded) tokens through the target and the draft in training, this process
-        # conversation key -> (features [n, H], next tokens [n]) on the CPU: on disk (feature_cache_dir), in memory
+        # conversation key -> (features [n, width], next tokens [n]) on the CPU: on disk (feature_cache_dir), in memory
         # (cache_features) or nowhere
         self.feature_cache = {} if args.cache_features else None
+        # The decoder layers the draft reads besides the last hidden state (EAGLE-3-style fusion); none by default.
+        self.feature_layers = list(model.config.target_feature_layers)
         if args.feature_cache_dir:
-            self.feature_cache = FeatureStore(args.feature_cache_dir, target_fingerprint(target), args.process_index)
+            fingerprint = target_fingerprint(target, self.feature_layers)
+            self.feature_cache = FeatureStore(args.feature_cache_dir, fingerprint, args.process_index)
             self.add_callback(_FlushFeatures(self.feature_cache))
         self._teacher_head = None  # (d2t, weight, bias): the target's lm_head rows the draft vocabulary keeps
 
     @torch.no_grad()
     def target_features(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's post-norm last hidden states [B, L, H] (the vectors its lm_head reads) and its greedy next
-        token [B, L] at every position whose next token is an assistant token (-1 elsewhere), on the target's
+        """The target's features [B, L, width]: its post-norm last hidden states (the vectors its lm_head reads),
+        after the outputs of the draft's `target_feature_layers` if any; and its greedy next token [B, L] at every position whose next token is an assistant token (-1 elsewhere), on the target's
         device. From the feature cache when it holds every conversation of the batch, else from a target forward
         (whose results then enter the cache). Padding positions hold zeros / -1: no loss is taken there, and under
         causal attention no real position reads them."""
@@ -487,12 +498,14 @@ class JakiroTrainer(Trainer):
             logits_to_keep=1,  # the full-vocabulary logits are needed only where a loss is taken (below)
             use_cache=False,
         )
-        features = out.hidden_states[-1]
+        states = out.hidden_states  # the embeddings, then each layer's output; the last one after the final norm
+        last = states[-1]
+        features = torch.cat([states[i + 1] for i in self.feature_layers] + [last], -1) if self.feature_layers else last
         counted = torch.zeros_like(loss_mask)
         counted[:, :-1] = loss_mask[:, 1:]
         counted = counted.to(device)
         next_tokens = torch.full(ids.shape, -1, dtype=torch.long, device=device)
-        next_tokens[counted] = self.target.get_output_embeddings()(features[counted]).argmax(-1)
+        next_tokens[counted] = self.target.get_output_embeddings()(last[counted]).argmax(-1)
         if cache is not None and keys is not None:
             for row, (key, length) in enumerate(zip(keys, attention.sum(-1).tolist())):
                 # Copies: a CPU slice would be a view that keeps the whole padded batch alive.
@@ -580,7 +593,8 @@ class JakiroTrainer(Trainer):
                 loss = loss + 0.0 * draft.compute_logits(head[:, :1]).sum()
                 continue
             predicted = head[:, : length - 1 - shift][valid].float()
-            wanted = features[:, shift : length - 1][valid.to(target_device)]
+            # The feature target is the last hidden state (the lm_head's input), the slice after any fused layers.
+            wanted = features[:, shift : length - 1, -draft.config.hidden_size :][valid.to(target_device)]
             target_token = next_tokens[:, shift : length - 1][valid.to(target_device)].to(predicted.device)
             with torch.no_grad():
                 # Reduced vocabulary: restricted to the draft's ids and renormalised (see the module docstring).
@@ -648,6 +662,7 @@ _IDENTITY = (
     "draft_vocab_size",
     "num_experts",
     "contrastive_head",
+    "target_feature_layers",
 )
 
 
@@ -978,10 +993,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("total-tokens", "depth", "top-k"):
         parser.add_argument(f"--{name}", type=int, default=None, help="tree default stored in the head's config")
     parser.add_argument(
+        "--feature-layers", default=None, metavar="auto|I,J,...",
+        help="also read these decoder layers' outputs of the target, fused with its last hidden state (EAGLE-3 "
+        "style); 'auto': a low, a middle and a high layer (2, L/2, L-3). Default: the last hidden state alone",
+    )
+    parser.add_argument(
         "--expert-size", type=int, default=None,
         help="units per expert MLP (default: the hidden size, as in Jakiro); with --init-from it may exceed the "
         "head's, whose experts are then widened without changing what the head computes",
     )
+
+
+def parse_feature_layers(spec: str, target) -> list[int]:
+    """`--feature-layers`: 'auto' (EAGLE-3's low, middle and high layers), 'none', or comma-separated indices."""
+    num_layers = target.config.get_text_config(decoder=True).num_hidden_layers
+    if spec.strip().lower() == "auto":
+        return default_feature_layers(num_layers)
+    if spec.strip().lower() in ("", "none"):
+        return []
+    try:
+        layers = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--feature-layers {spec!r}: expected 'auto', 'none' or comma-separated layer indices.") from None
+    return check_feature_layers(layers, num_layers)
 
 
 def config_from_args(args) -> JakiroTrainingConfig:
@@ -1039,6 +1073,8 @@ def run(args) -> int:
     heads = {k: getattr(args, k) for k in ("total_tokens", "depth", "top_k") if getattr(args, k) is not None}
     if args.expert_size is not None:
         heads["expert_intermediate_size"] = args.expert_size
+    if args.feature_layers is not None:
+        heads["target_feature_layers"] = parse_feature_layers(args.feature_layers, target)
     train_head(
         target,
         tokenizer,
