@@ -28,13 +28,15 @@ def compile_config() -> CompileConfig:
     return config
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-fused"])
 def compiled(request):
     """(target, draft, config) after one warm-up generate that compiled the target's verify forward and the draft
-    step."""
+    step. `llama-fused`: a head that reads two more target layers (hooks inside the compiled forward; the draft step
+    still one graph)."""
     torch._dynamo.reset()
-    target = make_target(request.param)
-    draft = quick_trained_draft(target, steps=150)
+    fused = request.param.endswith("-fused")
+    target = make_target(request.param.removesuffix("-fused"), num_hidden_layers=4 if fused else 2)
+    draft = quick_trained_draft(target, steps=150, **({"target_feature_layers": [0, 2]} if fused else {}))
     config = compile_config()
     graphs = counters["stats"]["unique_graphs"]
     with tree_settings(draft, **TREE):

@@ -185,6 +185,9 @@ class JakiroCandidateGenerator:
             self._length = past + features.shape[0]
             return (left, right, *self._draft_level(left))
         k, device, width = self.top_k, features.device, self.static_length
+        # Fused here, eagerly: the fixed-shape step then sees hidden-size features only, in reads as in levels, and
+        # keeps its one compiled graph when the head reads several target layers.
+        features = self.draft.fuse_features(features.to(self.draft.fc.weight.dtype))
         columns = torch.arange(width, device=device)
         m = features.shape[0]
         for start in range(0, m, k):
