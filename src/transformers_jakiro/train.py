@@ -473,8 +473,8 @@ class JakiroTrainer(Trainer):
     @torch.no_grad()
     def target_features(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's features [B, L, width]: its post-norm last hidden states (the vectors its lm_head reads),
-        after the outputs of the draft's `target_feature_layers` if any; and its greedy next token [B, L] at every position whose next token is an assistant token (-1 elsewhere), on the target's
-        device. From the feature cache when it holds every conversation of the batch, else from a target forward
+        after the outputs of the draft's `target_feature_layers` if any; and its greedy next token [B, L] at every
+        position whose next token is an assistant token (-1 elsewhere), on the target's device. From the feature cache when it holds every conversation of the batch, else from a target forward
         (whose results then enter the cache). Padding positions hold zeros / -1: no loss is taken there, and under
         causal attention no real position reads them."""
         ids, loss_mask = inputs["input_ids"], inputs["loss_mask"].bool()
