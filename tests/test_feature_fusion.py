@@ -67,7 +67,7 @@ def test_a_new_fused_head_computes_what_the_last_hidden_state_head_does(target, 
     loaded = JakiroDraftModel.from_pretrained(tmp_path)
     assert loaded.config.target_feature_layers == LAYERS
     torch.testing.assert_close(loaded.feature_fusion.weight, fused.feature_fusion.weight)
-    assert "decoder layers 0, 2 and the last hidden state" in (tmp_path / "README.md").read_text()
+    assert "the last hidden state plus a linear fusion of decoder layers 0, 2" in (tmp_path / "README.md").read_text()
     with pytest.raises(ValueError, match=r"target_feature_layers: \[0, 2\] vs \[1, 2\]"):
         init_from_head(JakiroDraftModel.from_target(target, target_feature_layers=[1, 2]), fused)
 
@@ -76,7 +76,7 @@ def test_a_new_fused_head_computes_what_the_last_hidden_state_head_does(target, 
 def test_greedy_decoding_with_a_fused_head_is_identical_to_plain(arch):
     target = make_target(arch, num_hidden_layers=4)
     draft = quick_trained_draft(target, target_feature_layers=LAYERS)
-    assert draft.feature_fusion.weight[:, :128].abs().sum() > 0  # training used the other layers
+    assert draft.feature_fusion.weight.abs().sum() > 0  # training used the other layers
     g = torch.Generator().manual_seed(3)
     taus = []
     for i in range(12):

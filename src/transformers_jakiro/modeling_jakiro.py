@@ -15,9 +15,11 @@ where g = gate(h_t) has four logits, (g0, g1) route the left head and (g2, g3) t
 whose right-gate logit is strictly larger (expert 1 on ties, as in the reference implementation).
 
 With `config.target_feature_layers` (EAGLE-3-style fusion) the draft also reads those decoder layers' outputs l^i_t:
-f_t above becomes fuse([RMSNorm(l^1_t); ...; f_t]), a linear layer initialised to pass f_t through unchanged, so a
+f_t above becomes f_t + W [RMSNorm(l^1_t); ...; RMSNorm(l^n_t)], with W (`feature_fusion`) starting at zero, so a
 fused head starts as the last-hidden-state head it may be warm-started from. Deeper tree levels read the draft's own
-predicted features (hidden-size wide), which skip the fusion as they skip the target.
+predicted features, which skip the fusion as they skip the target: they stand in for f_t, and the fusion only adds
+to f_t (a full linear map of [l; f_t] would also re-map f_t, which `fc` already does, and move the first level's input
+away from what the deeper levels read).
 """
 
 import os
@@ -235,10 +237,7 @@ class JakiroPreTrainedModel(PreTrainedModel):
         if isinstance(module, JakiroDraftModel) and module.d2t is not None:
             module.d2t.copy_(torch.arange(module.d2t.numel(), device=module.d2t.device))
         if module is getattr(self, "feature_fusion", None):
-            # Pass the last hidden state through: the other layers' weights grow from zero in training.
-            h = self.config.hidden_size
-            module.weight.zero_()
-            module.weight[:, -h:].copy_(torch.eye(h, device=module.weight.device))
+            module.weight.zero_()  # adds nothing until training finds what the other layers hold
         if isinstance(module, JakiroRotaryEmbedding):  # not in the checkpoint: from_pretrained leaves it uninitialised
             with torch.device(module.inv_freq.device):
                 module.inv_freq.copy_(JakiroRotaryEmbedding(self.config).inv_freq)
@@ -267,7 +266,7 @@ class JakiroDraftModel(JakiroPreTrainedModel):
         super().__init__(config)
         h, fused = config.hidden_size, len(config.target_feature_layers)
         self.feature_norms = nn.ModuleList(JakiroRMSNorm(h, eps=config.rms_norm_eps) for _ in range(fused)) or None
-        self.feature_fusion = nn.Linear((fused + 1) * h, h, bias=False) if fused else None
+        self.feature_fusion = nn.Linear(fused * h, h, bias=False) if fused else None
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layer = JakiroDecoderLayer(config)
         self.rotary_emb = JakiroRotaryEmbedding(config)
@@ -376,9 +375,8 @@ class JakiroDraftModel(JakiroPreTrainedModel):
                 f"last hidden state) or its own features {h} wide, got {width}. Capture them with "
                 "transformers_jakiro.features.TargetFeatures(target, draft.config.target_feature_layers)."
             )
-        parts = list(hidden_states.split(h, dim=-1))
-        parts[:-1] = [norm(part) for norm, part in zip(self.feature_norms, parts[:-1])]
-        return self.feature_fusion(torch.cat(parts, dim=-1))
+        *layers, last = hidden_states.split(h, dim=-1)
+        return last + self.feature_fusion(torch.cat([norm(x) for norm, x in zip(self.feature_norms, layers)], -1))
 
     # -- forward -------------------------------------------------------------------------------------------------
     def forward(

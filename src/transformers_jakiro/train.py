@@ -298,7 +298,8 @@ def init_from_head(draft: JakiroDraftModel, head: JakiroDraftModel) -> dict:
     head's units are copied into the first columns and the new units' down-projection starts at zero, so the
     widened head computes exactly what `head` did and training grows the new units from there. Likewise `draft` may
     read more target layers (`target_feature_layers`, `jakiro train --feature-layers`) than a `head` that read the
-    last hidden state alone: its fusion starts by passing the last hidden state through, so it too starts as `head`."""
+    last hidden state alone: its fusion starts at zero, adding nothing to the last hidden state, so it too starts as
+    `head`."""
     shape = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts", "contrastive_head",
              "vocab_size", "target_model_type")
     differences = [f"{k}: {getattr(head.config, k)!r} vs {getattr(draft.config, k)!r}" for k in shape
@@ -316,7 +317,7 @@ def init_from_head(draft: JakiroDraftModel, head: JakiroDraftModel) -> dict:
     state = {k: v for k, v in head.state_dict().items() if not k.startswith(("lm_head.", "d2t"))}
     state = _widen_experts(state, draft.state_dict())
     missing = draft.load_state_dict(state, strict=False).missing_keys
-    # A head that read the last hidden state alone starts a fused one: the fusion keeps its pass-through start.
+    # A head that read the last hidden state alone starts a fused one: the fusion keeps its zero start.
     new = ("lm_head.", "d2t") + (("feature_norms.", "feature_fusion.") if not head_layers else ())
     if any(not k.startswith(new) for k in missing):
         raise ValueError(f"--init-from: the head lacks weights {missing}")
