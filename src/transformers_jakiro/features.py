@@ -17,13 +17,6 @@ import torch
 from torch import nn
 
 
-def decoder_layers(target: nn.Module) -> nn.ModuleList | None:
-    """The target's stack of decoder layers (`model.layers` in Llama, Qwen2, Mistral, ...), or None."""
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    return layers if isinstance(layers, nn.ModuleList) else None
-
-
 def check_feature_layers(layers, num_layers: int) -> list[int]:
     """`layers` as a list of distinct, increasing decoder-layer indices of a target with `num_layers` layers, or a
     clear error. The last layer is not among them: its output, after the final norm, is the last hidden state, which
@@ -55,8 +48,8 @@ class TargetFeatures:
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
         self.decoder = decoder if isinstance(decoder, nn.Module) and decoder is not target else None
         self.layers = list(layers)
-        stack = decoder_layers(target) if self.decoder is not None else None
-        if self.layers and stack is None:
+        stack = getattr(self.decoder, "layers", None)  # `model.layers` in Llama, Qwen2, Mistral, ...
+        if self.layers and not isinstance(stack, nn.ModuleList):
             self.decoder = None  # no layer stack to hook: read every layer's states from the output instead
         self._modules = []
         if self.decoder is not None:
@@ -106,4 +99,4 @@ class TargetFeatures:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-__all__ = ["TargetFeatures", "check_feature_layers", "decoder_layers", "default_feature_layers"]
+__all__ = ["TargetFeatures", "check_feature_layers", "default_feature_layers"]
