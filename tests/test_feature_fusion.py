@@ -111,6 +111,12 @@ def test_training_reads_the_wide_features_and_the_store_keeps_them_apart(target,
     batch = JakiroCollator(0)(examples[:4])
     features, next_tokens = trainer.target_features(batch)
     assert features.shape[-1] == 3 * target.config.hidden_size
+    with torch.no_grad():  # what the hooks stored equals what output_hidden_states returns, at every real token
+        states = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i + 1] for i in LAYERS] + [states[-1]], -1)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(features[real], expected[real])
     with torch.no_grad():  # the stored next tokens come from the last hidden state, the slice after the others
         expected = target.lm_head(features[..., -target.config.hidden_size :]).argmax(-1)
     assert torch.equal(next_tokens[next_tokens >= 0], expected[next_tokens >= 0])

@@ -35,7 +35,7 @@ from transformers import DynamicCache, Trainer, TrainerCallback, TrainingArgumen
 from .bench import acceptance_profile, format_acceptance
 from .distill import load_target_or_explain, read_jsonl, read_prompts, render_prompt
 from .feature_store import FeatureStore, conversation_key, target_fingerprint
-from .features import check_feature_layers, default_feature_layers
+from .features import TargetFeatures, check_feature_layers, default_feature_layers
 from .generation import TreeSettings
 from .modeling_jakiro import JakiroDraftModel
 from .sharegpt import benchmark_prompts, is_data_spec, read_sources, sharegpt_messages
@@ -492,16 +492,19 @@ class JakiroTrainer(Trainer):
                 next_tokens[row, : len(cached_tokens)] = cached_tokens.to(device)
             return features, next_tokens
         attention = inputs["attention_mask"].to(device)
-        out = self.target(
-            input_ids=ids.to(device),
-            attention_mask=attention,
-            output_hidden_states=True,
-            logits_to_keep=1,  # the full-vocabulary logits are needed only where a loss is taken (below)
-            use_cache=False,
-        )
-        states = out.hidden_states  # the embeddings, then each layer's output; the last one after the final norm
-        last = states[-1]
-        features = torch.cat([states[i + 1] for i in self.feature_layers] + [last], -1) if self.feature_layers else last
+        # The same hooks that read the features in decoding, so training and decoding cannot read different layers
+        # (and every other layer's states are freed as the forward goes, which matters for long conversations).
+        with TargetFeatures(self.target, self.feature_layers) as reader:
+            out = self.target(
+                input_ids=ids.to(device),
+                attention_mask=attention,
+                logits_to_keep=1,  # the full-vocabulary logits are needed only where a loss is taken (below)
+                use_cache=False,
+                **reader.forward_kwargs(),
+            )
+            features = reader.take(out)
+        # The post-norm last hidden state (the lm_head's input) is the last of the equally wide parts.
+        last = features[..., -(features.shape[-1] // (len(self.feature_layers) + 1)) :]
         counted = torch.zeros_like(loss_mask)
         counted[:, :-1] = loss_mask[:, 1:]
         counted = counted.to(device)
