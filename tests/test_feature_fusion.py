@@ -67,7 +67,9 @@ def test_a_new_fused_head_computes_what_the_last_hidden_state_head_does(target, 
     loaded = JakiroDraftModel.from_pretrained(tmp_path)
     assert loaded.config.target_feature_layers == LAYERS
     torch.testing.assert_close(loaded.feature_fusion.weight, fused.feature_fusion.weight)
-    assert "the last hidden state plus a linear fusion of decoder layers 0, 2" in (tmp_path / "README.md").read_text()
+    card = (tmp_path / "README.md").read_text()
+    assert "the last hidden state plus a linear fusion of decoder layers 0, 2" in card
+    assert "reads the\ntarget's last hidden states and the outputs of its decoder layers\n0, 2 and borrows" in card
     with pytest.raises(ValueError, match=r"target_feature_layers: \[0, 2\] vs \[1, 2\]"):
         init_from_head(JakiroDraftModel.from_target(target, target_feature_layers=[1, 2]), fused)
 
