@@ -84,15 +84,15 @@ def record(target, draft, prompts: list[torch.LongTensor], max_new_tokens: int, 
 
 
 def kept_right(row: dict, total_tokens: int, powers: list[float] | None = None) -> int:
-    """How many right candidates the tree keeps when it keeps the `total_tokens` best by cumulative (re-weighted)
-    score, with the decoder's tie rule (a stable sort, recorded order first)."""
-    scores = row["scores"]  # as the decoder compared them (float32 sums), so near-ties break the same way
+    """How many right candidates the tree keeps when the decoder's own choice (`tree.best_candidates`) is applied to
+    the cumulative (re-weighted) scores."""
+    scores = torch.tensor(row["scores"])  # as the decoder compared them (float32 sums): near-ties break the same way
     if powers is not None:
-        scores = [0.0]
+        summed = [0.0]
         for i in range(1, len(row["tokens"])):
-            scores.append(scores[row["parents"][i]] + powers[row["depths"][i]] * row["step"][i])
-    order = sorted(range(1, len(scores)), key=lambda i: -scores[i])[:total_tokens]
-    return sum(row["right"][i] for i in order)
+            summed.append(summed[row["parents"][i]] + powers[row["depths"][i]] * row["step"][i])
+        scores = torch.tensor(summed, dtype=torch.float64)
+    return sum(row["right"][i] for i in tree_module.best_candidates(scores, total_tokens).tolist())
 
 
 def calibration(rows: list[dict]) -> list[dict]:

@@ -166,6 +166,13 @@ def ancestor_matrix(parents: torch.LongTensor, max_depth: int) -> torch.BoolTens
     return ancestors
 
 
+def best_candidates(scores: torch.Tensor, total_tokens: int) -> torch.LongTensor:
+    """Indices of the `total_tokens` best-scored candidates (`scores[0]` is the root's, never a candidate), best
+    first. A stable descending sort: on a tie the earlier recorded candidate wins, so a parent always comes before
+    its children (a child's score is its parent's plus a log-probability <= 0)."""
+    return torch.sort(scores[1:], descending=True, stable=True).indices[:total_tokens] + 1
+
+
 def flatten_tree(
     tokens: torch.LongTensor,
     parents: torch.LongTensor,
@@ -177,13 +184,11 @@ def flatten_tree(
     """Keep the root and the `total_tokens` best-scored candidates, breadth-first.
 
     Inputs are in recorded order (root first, then candidates level by level, each parent recorded before its
-    children; `parents[0]` is ignored). `levels` (>= every depth; the recorder knows it) saves a device sync. A stable descending sort puts every parent before its children even on
-    score ties (a child's score is its parent's plus a log-probability <= 0), so any prefix of the sorted order is
-    closed under ancestors: the kept set is always a tree.
+    children; `parents[0]` is ignored). `levels` (>= every depth; the recorder knows it) saves a device sync.
+    `best_candidates` orders every parent before its children, even on score ties, so the kept set is closed under
+    ancestors: always a tree.
     """
-    num_candidates = tokens.numel() - 1
-    keep = min(total_tokens, num_candidates)
-    order = torch.sort(scores[1:], descending=True, stable=True).indices[:keep] + 1
+    order = best_candidates(scores, total_tokens)
     nodes = torch.cat([order.new_zeros(1), torch.sort(order).values])  # recorded order is breadth-first
     position = torch.full_like(tokens, -1)
     position[nodes] = torch.arange(nodes.numel(), device=tokens.device)
@@ -286,4 +291,4 @@ class TreeRecorder:
         )
 
 
-__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "flatten_tree", "graft_chains"]
+__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "graft_chains"]
