@@ -168,6 +168,27 @@ def test_one_step_changes_the_draft_and_not_the_target(tmp_path, target, tokeniz
         assert key in logged
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_bf16_autocasts_the_vocabulary_projections_too(tmp_path, target, tokenizer, data_file, bf16):
+    """accelerate autocasts only the draft's forward; the draft's and the teacher's lm_head projections, most of a
+    CPU step's work, run in the loss. Under --bf16 they must run in bf16 as well, and the loss stays fp32."""
+    draft = JakiroDraftModel.from_target(target)  # full vocabulary: both projections are the target's lm_head
+    seen = []
+    hook = target.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    args = config(tmp_path, bf16=bf16, use_cpu=True, cache_features=True)
+    trainer = JakiroTrainer(model=draft, target=target, args=args)
+    batch = JakiroCollator(0)(examples_of(data_file, tokenizer)[:4])
+    trainer.target_features(batch)  # fills the cache: the loss below reads it and never runs the target
+    seen.clear()
+    try:
+        loss = trainer.compute_loss(draft.train(), batch)
+    finally:
+        hook.remove()
+    assert len(seen) == 4  # teacher and draft, for the left and the right head
+    assert set(seen) == {torch.bfloat16 if bf16 else torch.float32}
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+
+
 @pytest.mark.parametrize("where", ["memory", "disk"])
 def test_feature_cache_gives_the_same_loss_without_running_the_target_again(
     tmp_path, target, tokenizer, data_file, where
@@ -581,3 +602,29 @@ def test_cli_loss_weights_reach_the_training_config(tmp_path):
     assert "--left-ce-weight 1.0" in _command(args) and "--right-feature-weight 0.0" in _command(args)
     assert "--eval-size 0" in _command(parser.parse_args(base + ["--eval-size", "0"]))
     assert parser.parse_args(base + ["--expert-size", "1536"]).expert_size == 1536
+
+
+@pytest.mark.parametrize(
+    "flags, dtype",
+    [([], "float32"), (["--bf16"], "bfloat16"), (["--bf16", "--target-dtype", "float32"], "float32")],
+)
+def test_cli_target_dtype(tmp_path, monkeypatch, flags, dtype):
+    """--bf16 loads the target in bf16 unless --target-dtype says otherwise (e.g. to reuse an fp32 feature cache)."""
+    import argparse
+
+    from transformers_jakiro import train as train_module
+
+    loaded = []
+
+    def fake_load(name, wanted):
+        loaded.append(wanted)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(train_module, "load_target_or_explain", fake_load)
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError, match="stop here"):
+        train_module.run(parser.parse_args(["--target", "t", "--data", str(data), "--out", str(tmp_path / "h")] + flags))
+    assert loaded == [dtype]

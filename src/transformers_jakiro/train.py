@@ -567,12 +567,15 @@ class JakiroTrainer(Trainer):
         hidden = features[:, :-1].to(ids.device)
         if model.training and args.feature_noise > 0:
             hidden = hidden + (torch.rand_like(hidden) - 0.5) * (args.feature_noise * 512 / hidden.shape[1])
-        # Right padding: causal attention alone keeps real positions away from the padding after them.
-        outputs = unroll_draft(model, ids[:, 1:], hidden, args.unroll_steps)
-        loss = 0.0
-        for step, pred in enumerate(outputs):
-            weight = args.unroll_loss_weight**step
-            loss = loss + weight * self._step_loss(model, pred, inputs, features, next_tokens, step=step)
+        # accelerate puts autocast (--bf16) around the draft's forward only; the vocabulary projections below (the
+        # draft's lm_head and the teacher's, most of a step's matrix work) run outside it, so autocast them here too.
+        with self.accelerator.autocast():
+            # Right padding: causal attention alone keeps real positions away from the padding after them.
+            outputs = unroll_draft(model, ids[:, 1:], hidden, args.unroll_steps)
+            loss = 0.0
+            for step, pred in enumerate(outputs):
+                weight = args.unroll_loss_weight**step
+                loss = loss + weight * self._step_loss(model, pred, inputs, features, next_tokens, step=step)
         return (loss, outputs[0]) if return_outputs else loss
 
     def _step_loss(self, model, pred, inputs, features, next_tokens, step: int) -> torch.Tensor:
@@ -604,8 +607,8 @@ class JakiroTrainer(Trainer):
                 # Reduced vocabulary: restricted to the draft's ids and renormalised (see the module docstring).
                 teacher = self._teacher_logits(wanted, draft.d2t).float().to(predicted.device).softmax(-1)
             smooth_l1 = F.smooth_l1_loss(predicted, wanted.float().to(predicted.device))
-            logits = draft.compute_logits(predicted)
-            ce = -(teacher * logits.float().log_softmax(-1)).sum(-1).mean()
+            logits = draft.compute_logits(predicted).float()  # under --bf16: one cast, then fp32 softmax and argmax
+            ce = -(teacher * logits.log_softmax(-1)).sum(-1).mean()
             loss = loss + feature_weight * smooth_l1 + ce_weight * ce
             if model.training:
                 accuracy = (draft.draft_to_target_ids(logits.argmax(-1)) == target_token).float().mean()
@@ -963,6 +966,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--bf16", action="store_true", help="target in bf16, draft trained in bf16 autocast")
     parser.add_argument(
+        "--target-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="dtype the target is loaded in (default: bfloat16 with --bf16, else float32); e.g. --bf16 "
+        "--target-dtype float32 trains in bf16 autocast from a feature cache an fp32 target wrote",
+    )
+    parser.add_argument(
         "--cache-features",
         action="store_true",
         help="keep the target's features in RAM after the first epoch (later epochs skip the target forward)",
@@ -1073,7 +1083,8 @@ def run(args) -> int:
         eval_prompts, bad = read_prompts(args.eval_prompts)
         for number, reason in bad:
             print(f"{args.eval_prompts}:{number}: skipped ({reason})", file=sys.stderr)
-    target, tokenizer = load_target_or_explain(args.target, "bfloat16" if args.bf16 else "float32")
+    target_dtype = args.target_dtype or ("bfloat16" if args.bf16 else "float32")
+    target, tokenizer = load_target_or_explain(args.target, target_dtype)
     heads = {k: getattr(args, k) for k in ("total_tokens", "depth", "top_k") if getattr(args, k) is not None}
     if args.expert_size is not None:
         heads["expert_intermediate_size"] = args.expert_size
