@@ -189,6 +189,24 @@ def test_bf16_autocasts_the_vocabulary_projections_too(tmp_path, target, tokeniz
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
 
 
+def test_target_features_run_the_lm_head_only_where_a_loss_is_taken(tmp_path, target, tokenizer, data_file):
+    # The CausalLM forward's own lm_head call (on its last position) cost seconds per batch on a 152k-row vocabulary.
+    draft = JakiroDraftModel.from_target(target)
+    trainer = JakiroTrainer(model=draft, target=target, args=config(tmp_path))
+    batch = JakiroCollator(0)(examples_of(data_file, tokenizer)[:4])
+    rows = []
+    hook = target.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape))
+    try:
+        features, next_tokens = trainer.target_features(batch)
+    finally:
+        hook.remove()
+    assert rows == [torch.Size([int((next_tokens >= 0).sum()), target.config.hidden_size])]
+    with torch.no_grad():
+        expected = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+    counted = next_tokens >= 0
+    assert torch.equal(next_tokens[counted], expected[counted])
+
+
 @pytest.mark.parametrize("where", ["memory", "disk"])
 def test_feature_cache_gives_the_same_loss_without_running_the_target_again(
     tmp_path, target, tokenizer, data_file, where
@@ -201,7 +219,8 @@ def test_feature_cache_gives_the_same_loss_without_running_the_target_again(
     cache = dict(cache_features=True) if where == "memory" else dict(feature_cache_dir=str(tmp_path / "features"))
     cached = JakiroTrainer(model=draft, target=target, args=config(tmp_path, **cache))
     forwards = []
-    hook = target.register_forward_hook(lambda *_: forwards.append(1))
+    # Training runs the target's decoder alone (its features are all it needs), so count the decoder's forwards.
+    hook = target.get_decoder().register_forward_hook(lambda *_: forwards.append(1))
     keys = [conversation_key(e["input_ids"], e["loss_mask"]) for e in examples[:8]]
     try:
         whole, part = JakiroCollator(0)(examples[:8]), JakiroCollator(0)(examples[5:7])  # part: other padding
@@ -236,7 +255,7 @@ def test_prepare_features_fills_the_store_once_and_training_then_never_runs_the_
     again = JakiroTrainer(model=draft, target=target, args=args, train_dataset=examples)
     assert again.prepare_features()["conversations"] == 0
     forwards = []
-    hook = target.register_forward_hook(lambda *_: forwards.append(1))
+    hook = target.get_decoder().register_forward_hook(lambda *_: forwards.append(1))
     try:
         again.train()
     finally:
