@@ -25,6 +25,10 @@ class JakiroConfig(PreTrainedConfig):
     draft-to-target id map), `num_experts`, `num_experts_per_tok`, `expert_intermediate_size` (default: hidden size),
     `fc_bias`, `contrastive_head` (the two-ahead right head that builds the last tree level for free).
 
+    Input: `target_feature_layers` (empty: the draft reads the target's last hidden state only, as in EAGLE-1/2 and
+    the paper; indices of decoder layers: their outputs are read too, normalised and fused with the last hidden state
+    by a linear layer, as in EAGLE-3's low/middle/high fusion; the last layer itself is never listed).
+
     Identity: `target_model_type`, `target_name_or_path`. Tree defaults: `total_tokens` (draft nodes verified per
     round, root excluded), `depth` (draft forwards per round; the tree has `depth + 1` levels with the contrastive
     head, `depth` without), `top_k` (children kept per node and nodes expanded per level).
@@ -53,6 +57,7 @@ class JakiroConfig(PreTrainedConfig):
     expert_intermediate_size: int | None = None
     fc_bias: bool = True
     contrastive_head: bool = True
+    target_feature_layers: list[int] | None = None
     target_model_type: str | None = None
     target_name_or_path: str | None = None
     total_tokens: int = 60
@@ -74,6 +79,7 @@ class JakiroConfig(PreTrainedConfig):
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         self.rope_parameters = dict(self.rope_parameters)
+        self.target_feature_layers = [int(i) for i in self.target_feature_layers or ()]
         self.rope_parameters.setdefault("rope_type", self.rope_parameters.pop("type", "default"))
         super().__post_init__(**kwargs)
         self._check()
@@ -100,6 +106,12 @@ class JakiroConfig(PreTrainedConfig):
         for name in ("total_tokens", "depth", "top_k", "lookup_max_ngram", "lookup_chains"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        layers = self.target_feature_layers
+        if any(i < 0 for i in layers) or len(set(layers)) != len(layers) or layers != sorted(layers):
+            raise ValueError(
+                f"target_feature_layers must be distinct, non-negative decoder-layer indices in increasing order, got "
+                f"{layers}."
+            )
         if self.lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0 (0 turns n-gram lookup off), got {self.lookup_tokens}.")
 
@@ -130,6 +142,12 @@ class JakiroConfig(PreTrainedConfig):
             pad_token_id=getattr(text, "pad_token_id", None),
         )
         shape.update(overrides)
+        layers, num_layers = shape.get("target_feature_layers") or (), text.num_hidden_layers
+        if any(int(i) >= num_layers - 1 for i in layers):
+            raise ValueError(
+                f"target_feature_layers {list(layers)}: this target has {num_layers} decoder layers, so the indices "
+                f"must lie in [0, {num_layers - 2}] (the last layer's output is the last hidden state, always read)."
+            )
         return cls(**shape)
 
 

@@ -13,6 +13,13 @@ Data flow at draft position t (JAKIRO.md section 1):
     right = a_t + w_hi E_hi(h_t) - w_lo E_lo(h_t)       ~ f_{t+2}   -> target lm_head -> x_{t+3}
 where g = gate(h_t) has four logits, (g0, g1) route the left head and (g2, g3) the right one; E_hi is the expert
 whose right-gate logit is strictly larger (expert 1 on ties, as in the reference implementation).
+
+With `config.target_feature_layers` (EAGLE-3-style fusion) the draft also reads those decoder layers' outputs l^i_t:
+f_t above becomes f_t + W [RMSNorm(l^1_t); ...; RMSNorm(l^n_t)], with W (`feature_fusion`) starting at zero, so a
+fused head starts as the last-hidden-state head it may be warm-started from. Deeper tree levels read the draft's own
+predicted features, which skip the fusion as they skip the target: they stand in for f_t, and the fusion only adds
+to f_t (a full linear map of [l; f_t] would also re-map f_t, which `fc` already does, and move the first level's input
+away from what the deeper levels read).
 """
 
 import os
@@ -229,6 +236,8 @@ class JakiroPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, JakiroDraftModel) and module.d2t is not None:
             module.d2t.copy_(torch.arange(module.d2t.numel(), device=module.d2t.device))
+        if module is getattr(self, "feature_fusion", None):
+            module.weight.zero_()  # adds nothing until training finds what the other layers hold
         if isinstance(module, JakiroRotaryEmbedding):  # not in the checkpoint: from_pretrained leaves it uninitialised
             with torch.device(module.inv_freq.device):
                 module.inv_freq.copy_(JakiroRotaryEmbedding(self.config).inv_freq)
@@ -255,6 +264,9 @@ class JakiroDraftModel(JakiroPreTrainedModel):
 
     def __init__(self, config: JakiroConfig):
         super().__init__(config)
+        h, fused = config.hidden_size, len(config.target_feature_layers)
+        self.feature_norms = nn.ModuleList(JakiroRMSNorm(h, eps=config.rms_norm_eps) for _ in range(fused)) or None
+        self.feature_fusion = nn.Linear(fused * h, h, bias=False) if fused else None
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layer = JakiroDecoderLayer(config)
         self.rotary_emb = JakiroRotaryEmbedding(config)
@@ -287,6 +299,12 @@ class JakiroDraftModel(JakiroPreTrainedModel):
             problems.append(f"hidden size: the draft expects {expected.hidden_size}, the target has {text.hidden_size}")
         if text.vocab_size != expected.vocab_size:
             problems.append(f"vocabulary: the draft expects {expected.vocab_size} tokens, the target has {text.vocab_size}")
+        layers = expected.target_feature_layers
+        if layers and max(layers) >= getattr(text, "num_hidden_layers", 0) - 1:
+            problems.append(
+                f"layers: the draft reads the outputs of decoder layers {layers}, the target has "
+                f"{getattr(text, 'num_hidden_layers', None)} layers"
+            )
         if expected.target_model_type is not None and text.model_type != expected.target_model_type:
             problems.append(
                 f"model type: the draft was built for '{expected.target_model_type}', the target is '{text.model_type}'"
@@ -330,6 +348,36 @@ class JakiroDraftModel(JakiroPreTrainedModel):
     def draft_to_target_ids(self, ids: torch.LongTensor) -> torch.LongTensor:
         return ids if self.d2t is None else self.d2t[ids]
 
+    def in_vocabulary(self, target_ids) -> torch.BoolTensor:
+        """Which of `target_ids` (target token ids) the draft vocabulary holds. The draft can never propose the
+        others, so their share caps the acceptance of every draft token: a low share calls for a larger
+        --draft-vocab."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long)
+        if self.d2t is None:
+            return torch.ones_like(ids, dtype=torch.bool)
+        return torch.isin(ids, self.d2t.to(ids.device))
+
+    @property
+    def target_feature_width(self) -> int:
+        """Width of the target features the draft reads: hidden size x (fused layers + 1)."""
+        return self.config.hidden_size * (len(self.config.target_feature_layers) + 1)
+
+    def fuse_features(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The draft's [..., hidden] input feature from the target's features ([..., target_feature_width]: the
+        named layers' outputs, then the last hidden state) or from its own predicted ones ([..., hidden], kept)."""
+        h, width = self.config.hidden_size, hidden_states.shape[-1]
+        if width == h:
+            return hidden_states
+        if width != self.target_feature_width:
+            raise ValueError(
+                f"The draft reads target features {self.target_feature_width} wide (hidden size {h} x "
+                f"{len(self.config.target_feature_layers) + 1}: layers {self.config.target_feature_layers} and the "
+                f"last hidden state) or its own features {h} wide, got {width}. Capture them with "
+                "transformers_jakiro.features.TargetFeatures(target, draft.config.target_feature_layers)."
+            )
+        *layers, last = hidden_states.split(h, dim=-1)
+        return last + self.feature_fusion(torch.cat([norm(x) for norm, x in zip(self.feature_norms, layers)], -1))
+
     # -- forward -------------------------------------------------------------------------------------------------
     def forward(
         self,
@@ -344,7 +392,8 @@ class JakiroDraftModel(JakiroPreTrainedModel):
     ) -> JakiroDraftOutput:
         r"""
         input_ids: tokens x_{t+1} (the token *after* each feature's position), [batch, seq].
-        hidden_states: the target's last hidden states f_t, [batch, seq, hidden].
+        hidden_states: the target's last hidden states f_t, [batch, seq, hidden] (with `target_feature_layers`:
+            [batch, seq, target_feature_width], those layers' outputs then f_t), or the draft's own predicted ones.
         position_ids: explicit positions (tree nodes of one level share one); default continues the cache.
         attention_mask: a 4D additive float mask [batch, 1, seq, past + seq] (tree masks), a 2D padding mask
             [batch, past + seq] (1 = real token), or None for causal attention.
@@ -356,7 +405,8 @@ class JakiroDraftModel(JakiroPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)
         dtype, device = self.fc.weight.dtype, self.fc.weight.device
-        x = self.fc(torch.cat([inputs_embeds.to(device=device, dtype=dtype), hidden_states.to(device, dtype)], -1))
+        hidden_states = self.fuse_features(hidden_states.to(device, dtype))
+        x = self.fc(torch.cat([inputs_embeds.to(device=device, dtype=dtype), hidden_states], -1))
         seq = x.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
