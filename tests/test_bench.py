@@ -224,6 +224,16 @@ def test_update_head_records_tuning_and_results(models, tmp_path):
         "jakiro bench: mt_bench, temperature 0 (torch.float32, cpu)",
         "jakiro bench: mt_bench+alpaca, temperature 0 (torch.float32, cpu)",
     }
+    # A run at another tree than the head's adds its own entry; the one at the head's tree stays.
+    other_tree = result(20.0, tune=False)
+    other_tree["config"]["tree_settings"] = {"total_tokens": 32, "depth": 5, "top_k": 4}
+    bench.update_head(tmp_path, other_tree)
+    report = json.loads((tmp_path / "jakiro_training.json").read_text())
+    assert set(report["benchmarks"]) == {
+        "jakiro bench: mt_bench, temperature 0 (torch.float32, cpu)",
+        "jakiro bench: mt_bench, temperature 0, tree 32/5/4 (torch.float32, cpu)",
+    }
+    assert report["benchmarks"]["jakiro bench: mt_bench, temperature 0 (torch.float32, cpu)"].startswith("12.50")
 
 
 def test_shipped_grounded_suite_loads_beside_the_shared_ones(tmp_path):

@@ -805,9 +805,11 @@ def write_outputs(result: dict, out_dir: str | os.PathLike) -> dict:
     return result["files"]
 
 
-def head_metrics(result: dict) -> dict:
+def head_metrics(result: dict, default_tree: tuple | None = None) -> dict:
     """The benchmark's headline numbers for a head's model card: one entry per (suite, temperature) of the jakiro
-    rows, keyed so that a later run in the same dtype on the same suite replaces the entry."""
+    rows, keyed so that a later run in the same dtype on the same suite and tree replaces the entry. The tree is part
+    of the key when it differs from `default_tree` (the head's (total_tokens, depth, top_k)), so that a run at
+    another tree adds entries instead of replacing those at the head's own tree."""
     machine = result["machine"]
     # The processor is part of the key: the same suite measured on another machine is another entry.
     where = f"{machine['dtype']}, {machine['device']}" + (
@@ -816,6 +818,8 @@ def head_metrics(result: dict) -> dict:
     entries = {}
     suites = result["config"].get("suites") or sorted({r["suite"] for r in result["results"]} - {"overall"})
     settings = result["config"].get("tree_settings", {})
+    tree = tuple(settings.get(name) for name in ("total_tokens", "depth", "top_k"))
+    tree_key = "" if default_tree is None or tree == tuple(default_tree) else ", tree " + "/".join(map(str, tree))
     for row in result["results"]:
         if row["method"] not in ("jakiro", "jakiro_lookup") or (row["suite"] == "overall" and len(suites) < 2):
             continue
@@ -834,7 +838,7 @@ def head_metrics(result: dict) -> dict:
             text += f", draft vocabulary holds {row['vocab_coverage']:.1%} of the generated tokens"
         text += (f" ({row['generations']} generations, max_new_tokens={result['config']['max_new_tokens']}, "
                  f"tree {settings.get('total_tokens')}/{settings.get('depth')}/{settings.get('top_k')})")
-        entries[f"jakiro bench: {suite}, temperature {row['temperature']:g} ({where})"] = text
+        entries[f"jakiro bench: {suite}, temperature {row['temperature']:g}{tree_key} ({where})"] = text
     return entries
 
 
@@ -854,7 +858,9 @@ def update_head(draft_dir: str | os.PathLike, result: dict) -> dict:
         config.save_pretrained(draft_dir)
     report_path = draft_dir / "jakiro_training.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"summary": {}, "metrics": {}}
-    report.setdefault("benchmarks", {}).update(head_metrics(result))
+    config = JakiroConfig.from_pretrained(draft_dir)
+    default_tree = (config.total_tokens, config.depth, config.top_k)
+    report.setdefault("benchmarks", {}).update(head_metrics(result, default_tree))
     if "tune" in result:
         report["tree_settings_tuned_by"] = result["machine"]["command"]
     report_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
