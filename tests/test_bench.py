@@ -280,11 +280,15 @@ def test_vocab_coverage_counts_generated_tokens_the_draft_can_propose(models):
 
 def test_tree_option_overrides_the_heads_settings(models):
     target, tokenizer, draft, _ = models
-    assert bench._tree_option("8/2/6", 5) == {"total_tokens": 8, "depth": 2, "top_k": 6, "lookup_tokens": 5}
+    assert bench._tree_option("8/2/6", 5) == {"total_tokens": 8, "depth": 2, "top_k": 6, "lookup_tokens": 5,
+                                              "lookup_chains": None}
     with pytest.raises(SystemExit, match="TOTAL_TOKENS/DEPTH/TOP_K"):
         bench._tree_option("8/2", None)
     result = bench.run_benchmark(target, tokenizer, draft, prompts=PROMPTS, methods=["jakiro_lookup"],
-                                 max_new_tokens=4, tree_overrides=bench._tree_option("3/1/2", 7), log=lambda _: None)
+                                 max_new_tokens=4, tree_overrides=bench._tree_option("3/1/2", 7, 2), log=lambda _: None)
     settings = result["config"]["tree_settings"]
     assert (settings["total_tokens"], settings["depth"], settings["top_k"]) == (3, 1, 2)
     assert settings["lookup_tokens (jakiro_lookup)"] == 7 and settings["source"] == "command line"
+    assert settings["lookup_chains (jakiro_lookup)"] == 2
+    labels = list(bench.head_metrics(result))
+    assert labels and all("with n-gram lookup (7 tokens x 2 chains)" in label for label in labels)

@@ -636,11 +636,14 @@ def run_benchmark(
             tree = {"total_tokens": chosen["total_tokens"], "depth": chosen["depth"]}
             if chosen["lookup_tokens"]:
                 tree["lookup_tokens"] = chosen["lookup_tokens"]
+            if (tree_overrides or {}).get("lookup_chains") is not None:
+                tree["lookup_chains"] = tree_overrides["lookup_chains"]
         resolved = TreeSettings.resolve(draft, **tree)
         lookup = _lookup_budget(tree, draft)
         result["config"]["tree_settings"] = {"total_tokens": resolved.total_tokens, "depth": resolved.depth,
                                              "top_k": resolved.top_k, "contrastive_head": resolved.contrastive,
                                              "lookup_tokens (jakiro_lookup)": lookup,
+                                             "lookup_chains (jakiro_lookup)": resolved.lookup_chains,
                                              "source": "tuned" if tune_settings else
                                              "command line" if tree else "draft config"}
 
@@ -825,7 +828,9 @@ def head_metrics(result: dict, default_tree: tuple | None = None) -> dict:
             continue
         suite = "+".join(suites) if row["suite"] == "overall" else row["suite"]
         if row["method"] == "jakiro_lookup":
-            suite += f" with n-gram lookup ({settings.get('lookup_tokens (jakiro_lookup)')} tokens)"
+            chains = settings.get("lookup_chains (jakiro_lookup)", 1)
+            suite += f" with n-gram lookup ({settings.get('lookup_tokens (jakiro_lookup)')} tokens"
+            suite += f" x {chains} chains)" if chains > 1 else ")"
         text = (f"{row['tokens_per_s']:.2f} tok/s, {_fmt(row['speedup'], 2, 'x')} over plain generate, "
                 f"tau {_fmt(row['tau'])}")
         if row.get("papers_tau") is not None:
@@ -890,9 +895,10 @@ def load_draft(spec: str, target):
     return draft.bind_target(target).eval()
 
 
-def _tree_option(tree: str | None, lookup_tokens: int | None) -> dict:
-    """`--tree 8/2/6` (total_tokens/depth/top_k) and `--lookup-tokens N` as tree setting overrides."""
-    overrides = {"lookup_tokens": lookup_tokens}
+def _tree_option(tree: str | None, lookup_tokens: int | None, lookup_chains: int | None = None) -> dict:
+    """`--tree 8/2/6` (total_tokens/depth/top_k), `--lookup-tokens N` and `--lookup-chains C` as tree setting
+    overrides."""
+    overrides = {"lookup_tokens": lookup_tokens, "lookup_chains": lookup_chains}
     if tree:
         parts = tree.split("/")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
@@ -926,6 +932,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lookup-tokens", type=int, default=None,
                         help="n-gram lookup chain budget of the jakiro_lookup method (default: tuned, the head's, or "
                              f"{LOOKUP_TOKENS})")
+    parser.add_argument("--lookup-chains", type=int, default=None,
+                        help="distinct n-gram lookup chains per round for jakiro_lookup (default: the head's)")
     parser.add_argument("--out", default=None, help="directory for results.json, results.md, speedup.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--update-head", action="store_true", help="write the results into the --draft directory: "
@@ -951,7 +959,7 @@ def run(args) -> int:
         num_prompts=args.num_prompts, spread_categories=args.spread_categories,
         temperatures=[float(t) for t in _csv(args.temperature)], methods=methods,
         max_new_tokens=args.max_new_tokens, tune_settings=args.tune, out_dir=args.out, labels=labels, seed=args.seed,
-        tree_overrides=_tree_option(args.tree, args.lookup_tokens),
+        tree_overrides=_tree_option(args.tree, args.lookup_tokens, args.lookup_chains),
     )
     print()
     print(markdown_table(result))
