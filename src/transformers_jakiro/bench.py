@@ -822,7 +822,8 @@ def head_metrics(result: dict, default_tree: tuple | None = None) -> dict:
     suites = result["config"].get("suites") or sorted({r["suite"] for r in result["results"]} - {"overall"})
     settings = result["config"].get("tree_settings", {})
     tree = tuple(settings.get(name) for name in ("total_tokens", "depth", "top_k"))
-    tree_key = "" if default_tree is None or tree == tuple(default_tree) else ", tree " + "/".join(map(str, tree))
+    tree_text = "/".join(map(str, tree))
+    tree_key = "" if default_tree is None or tree == tuple(default_tree) else f", tree {tree_text}"
     for row in result["results"]:
         if row["method"] not in ("jakiro", "jakiro_lookup") or (row["suite"] == "overall" and len(suites) < 2):
             continue
@@ -842,7 +843,7 @@ def head_metrics(result: dict, default_tree: tuple | None = None) -> dict:
         if row.get("vocab_coverage") is not None and row["vocab_coverage"] < 1:
             text += f", draft vocabulary holds {row['vocab_coverage']:.1%} of the generated tokens"
         text += (f" ({row['generations']} generations, max_new_tokens={result['config']['max_new_tokens']}, "
-                 f"tree {settings.get('total_tokens')}/{settings.get('depth')}/{settings.get('top_k')})")
+                 f"tree {tree_text})")
         entries[f"jakiro bench: {suite}, temperature {row['temperature']:g}{tree_key} ({where})"] = text
     return entries
 
@@ -855,15 +856,14 @@ def update_head(draft_dir: str | os.PathLike, result: dict) -> dict:
     from .modeling_jakiro import JakiroDraftModel
 
     draft_dir = Path(draft_dir)
+    config = JakiroConfig.from_pretrained(draft_dir)
     if "tune" in result:
-        config = JakiroConfig.from_pretrained(draft_dir)
         config.total_tokens = result["tune"]["chosen"]["total_tokens"]
         config.depth = result["tune"]["chosen"]["depth"]
         config.lookup_tokens = result["tune"]["chosen"].get("lookup_tokens", 0)
         config.save_pretrained(draft_dir)
     report_path = draft_dir / "jakiro_training.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"summary": {}, "metrics": {}}
-    config = JakiroConfig.from_pretrained(draft_dir)
     default_tree = (config.total_tokens, config.depth, config.top_k)
     report.setdefault("benchmarks", {}).update(head_metrics(result, default_tree))
     if "tune" in result:
