@@ -10,7 +10,7 @@ longest path that agrees with the target plus one bonus token; both caches are c
 
 import inspect
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -22,56 +22,10 @@ from .features import TargetFeatures
 from .kv_cache import check_cache_supported, is_static, keep_accepted, new_target_cache, static_length, truncate
 from .logits import check_processors, process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
+from .stats import JakiroGenerationStats
 from .tree import DraftTree
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-@dataclass
-class JakiroGenerationStats:
-    """What the last `generate` call did. A round is one target forward, and the prefill counts as the first round,
-    accepting one token; `accepted_lengths[i]` is how many tokens round i added, bonus token included, so
-    `new_tokens == sum(accepted_lengths)` and `mean_accepted_length` (tau) `== new_tokens / rounds`: tokens per target
-    forward, what decides the speedup of this run.
-
-    Papers (EAGLE, Jakiro) count only draft-verify cycles: `papers_tau` leaves out the prefill and its token,
-    `sum(accepted_lengths[1:]) / draft_rounds`, and is the figure to compare with published acceptance lengths (it is
-    higher, and the gap shrinks as generations get longer). Times are host wall-clock seconds."""
-
-    new_tokens: int = 0
-    rounds: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)
-    lookup_rounds: int = 0  # rounds whose tree carried n-gram lookup nodes
-    lookup_accepted: int = 0  # accepted tokens that only the n-gram lookup proposed
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    total_time_s: float = 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        return self.new_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def draft_rounds(self) -> int:
-        """Draft-verify cycles: every round but the prefill."""
-        return max(self.rounds - 1, 0)
-
-    @property
-    def papers_tau(self) -> float:
-        """Tokens per draft-verify cycle, bonus token included, prefill excluded (the papers' acceptance length)."""
-        return sum(self.accepted_lengths[1:]) / self.draft_rounds if self.draft_rounds else 0.0
-
-    def record(self, accepted: int) -> None:
-        self.rounds += 1
-        self.new_tokens += accepted
-        self.accepted_lengths.append(accepted)
-
-    def as_dict(self) -> dict:
-        return {
-            **asdict(self),
-            "mean_accepted_length": self.mean_accepted_length,
-            "draft_rounds": self.draft_rounds,
-            "papers_tau": self.papers_tau,
-        }
 
 
 def _forward_accepts(model, name: str) -> bool:
