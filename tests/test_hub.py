@@ -136,3 +136,12 @@ def test_push_to_hub_keeps_an_existing_card(draft, hub):
     card = ModelCard(hub.files["README.md"].decode())
     assert "A card written by hand." in card.text and card.data.tags == ["mine", "smollm"]
 
+
+
+def test_card_renders_metric_tables(draft):
+    table = {"title": "jakiro bench, tree 1/1/6", "columns": ["suite", "Jakiro"], "rows": [["mt_bench", "1.06x"]],
+             "note": "Run: benchmarks/results/x."}
+    card = build_model_card(draft, metrics={"tau": 2.5, "bench x": table})
+    assert "### jakiro bench, tree 1/1/6\n\n| suite | Jakiro |\n|---|---|\n| mt_bench | 1.06x |\n" in card.text
+    assert "Run: benchmarks/results/x." in card.text and "bench x" not in card.text
+    assert "| acceptance length tau (tokens per target forward) | 2.50 |" in card.text

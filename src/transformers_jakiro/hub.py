@@ -54,6 +54,8 @@ def _hub_id(name: str | None) -> str | None:
 def _metric_rows(metrics: dict) -> list[tuple[str, str]]:
     rows = []
     for key, value in metrics.items():
+        if isinstance(value, dict):  # a table ({"title", "columns", "rows"}): the template's `tables`
+            continue
         label, unit = _METRIC_LABELS.get(key, (key, ""))
         rows.append((label, f"{value:.2f}{unit}" if isinstance(value, float) else f"{value}{unit}"))
     return rows
@@ -85,6 +87,7 @@ def build_model_card(
         repo=repo_id or "path/to/this/draft",
         training_summary=training_summary or {},
         metrics=_metric_rows(metrics or {}),
+        tables=[value for value in (metrics or {}).values() if isinstance(value, dict)],
         **{key: getattr(config, key) for key in _CONFIG_FIELDS},
     )
 
