@@ -75,8 +75,16 @@ def draft_step(draft: JakiroDraftModel, cache, tokens, features, positions, mask
     )
     left = out.last_hidden_state[0]
     right = None if out.contrastive_hidden_state is None else out.contrastive_hidden_state[0]
-    top = F.log_softmax(draft.compute_logits(left).float(), dim=-1).topk(top_k, dim=-1)
+    top = draft_log_probs(draft, left).topk(top_k, dim=-1)
     return left, right, top.values, draft.draft_to_target_ids(top.indices)
+
+
+def draft_log_probs(draft: JakiroDraftModel, features: torch.Tensor) -> torch.Tensor:
+    """The draft's next-token log-probabilities (float32) for each feature row, NaN as -inf: a head that overflows
+    (NaN or infinite logits give NaN log-probabilities) then proposes its candidates last, never first (topk ranks NaN
+    above every number). What the target accepts does not depend on this; the tree's size and shape do."""
+    log_probs = F.log_softmax(draft.compute_logits(features).float(), dim=-1)
+    return log_probs.masked_fill(torch.isnan(log_probs), float("-inf"))
 
 
 _COMPILED_STEPS = {}
@@ -224,8 +232,7 @@ class JakiroCandidateGenerator:
 
     def _draft_level(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor]:
         """Top-k (log-probability, target token id) of the draft's next-token distribution for each feature row."""
-        log_probs = F.log_softmax(self.draft.compute_logits(features).float(), dim=-1)
-        top = log_probs.topk(self.top_k, dim=-1)
+        top = draft_log_probs(self.draft, features).topk(self.top_k, dim=-1)
         return top.values, self.draft.draft_to_target_ids(top.indices)
 
     @torch.no_grad()

@@ -166,10 +166,28 @@ def ancestor_matrix(parents: torch.LongTensor, max_depth: int) -> torch.BoolTens
     return ancestors
 
 
+def ranking_scores(scores: torch.Tensor, parents: torch.LongTensor, levels: int) -> torch.Tensor:
+    """The scores that candidates are ranked by: NaN and +inf count as -inf (a draft that overflows, a damaged
+    checkpoint), and no node outranks its parent (each score is capped by the minimum along its path).
+
+    For a sane draft this changes nothing: a child's score is its parent's plus a log-probability <= 0. For any other
+    input it is what makes the kept set a tree by construction (see `best_candidates`). `parents` [n] holds recorded
+    indices (-1 at the root); `levels` >= every depth bounds the walk up (one vectorized step per level)."""
+    scores = scores.float()
+    scores = torch.where(torch.isnan(scores) | (scores == float("inf")), float("-inf"), scores)
+    step = parents.clamp(min=0)  # the root is its own parent
+    for _ in range(levels):
+        scores = torch.minimum(scores, scores[step])
+    return scores
+
+
 def best_candidates(scores: torch.Tensor, total_tokens: int) -> torch.LongTensor:
     """Indices of the `total_tokens` best-scored candidates (`scores[0]` is the root's, never a candidate), best
-    first. A stable descending sort: on a tie the earlier recorded candidate wins, so a parent always comes before
-    its children (a child's score is its parent's plus a log-probability <= 0)."""
+    first. A stable descending sort: on a tie the earlier recorded candidate wins, and parents are recorded before
+    their children, so with scores that never rise along a path (`ranking_scores`) every parent comes before its
+    children and every prefix of the ranking is closed under ancestors. NaN counts as -inf."""
+    scores = scores.float()
+    scores = scores.masked_fill(torch.isnan(scores), float("-inf"))
     return torch.sort(scores[1:], descending=True, stable=True).indices[:total_tokens] + 1
 
 
@@ -185,9 +203,12 @@ def flatten_tree(
 
     Inputs are in recorded order (root first, then candidates level by level, each parent recorded before its
     children; `parents[0]` is ignored). `levels` (>= every depth; the recorder knows it) saves a device sync.
-    `best_candidates` orders every parent before its children, even on score ties, so the kept set is closed under
-    ancestors: always a tree.
+    `best_candidates` ranks on `ranking_scores`, which orders every parent before its children whatever the draft
+    scored (ties, NaN, infinities), so the kept set is closed under ancestors: always a tree, and no kept node's
+    parent can be missing (a -1 parent below the root would make the acceptance rule index `choices[-1]`).
     """
+    levels = int(depths.max()) if levels is None else levels
+    scores = ranking_scores(scores, parents, levels)
     order = best_candidates(scores, total_tokens)
     nodes = torch.cat([order.new_zeros(1), torch.sort(order).values])  # recorded order is breadth-first
     position = torch.full_like(tokens, -1)
@@ -195,7 +216,6 @@ def flatten_tree(
     flat_parents = position[parents[nodes]]
     flat_parents[0] = -1
     flat_depths = depths[nodes]
-    levels = int(depths.max()) if levels is None else levels
     return DraftTree(
         tokens=tokens[nodes],
         parents=flat_parents,
@@ -291,4 +311,4 @@ class TreeRecorder:
         )
 
 
-__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "graft_chains"]
+__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "graft_chains", "ranking_scores"]
