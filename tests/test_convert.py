@@ -106,7 +106,7 @@ def tiny_target(model_type: str = "llama"):
 
 
 def reference(t: dict, embed: torch.Tensor, input_ids, features):
-    """The Jakiro / EAGLE draft layer written out from the original tensors (JAKIRO.md section 1)."""
+    """The Jakiro / EAGLE draft layer written out from the original tensors (docs/design.md, section 1)."""
     p = "layers.0."
     x = torch.cat([embed[input_ids], features], -1) @ t["fc.weight"].T + t["fc.bias"]
     seq = x.shape[1]
