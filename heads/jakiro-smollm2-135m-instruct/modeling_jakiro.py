@@ -5,7 +5,7 @@ Read top to bottom: RMSNorm, RoPE, attention, one expert (SwiGLU), the MoE block
 feature. This file imports only torch and transformers so that `trust_remote_code=True` loads work without the
 package installed.
 
-Data flow at draft position t (JAKIRO.md section 1):
+Data flow at draft position t (docs/design.md, section 1):
     u_t   = fc([embed(x_{t+1}); f_t])                   f_t: target's last (post-norm) hidden state at t
     a_t   = u_t + Attention(u_t)                        no input norm
     h_t   = RMSNorm(a_t)
