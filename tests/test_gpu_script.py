@@ -1,4 +1,4 @@
-"""The H200 round-cost script runs end to end on the CPU at a tiny shape (so it cannot rot between GPU sessions),
+"""The H200 round-cost script runs end to end on the CPU at a tiny shape (so it cannot rot between GPU runs),
 compiled pair included: traced by dynamo with full graphs and run with the `eager` backend, which skips inductor's
 code generation (a minute on 2 cores; tests/test_compiled_decoding.py covers inductor)."""
 
