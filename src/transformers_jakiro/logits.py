@@ -11,6 +11,8 @@ classifier-free guidance, watermarking, stateful processors) is refused with an 
 `jakiro_per_node_safe = True` to declare that it is row-wise.
 """
 
+import copy
+
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process as lp
@@ -45,6 +47,12 @@ _PREFIX_DEPENDENT_NAMES = (
     "ExponentialDecayLengthPenalty",
     "SuppressTokensAtBeginLogitsProcessor",
 )
+# Row-wise processors that hold per-batch state: a tensor with one entry per row of the batch `generate` was called
+# with. Each depth's call below has one row per tree node of that depth, so the state is repeated to that many rows
+# (`_for_rows`). Audited over every processor in the two lists above (transformers 5.17 to 5.24): only the
+# repetition penalty holds such state, `prompt_ignore_length`, the left-padding length of each row (5.24 and later;
+# 5.17 has no such argument); the others hold ints, token lists or tables shared by every row.
+PER_ROW_STATE = {"RepetitionPenaltyLogitsProcessor": ("prompt_ignore_length",)}
 PREFIX_FREE_PROCESSORS = tuple(getattr(lp, name) for name in _PREFIX_FREE_NAMES if hasattr(lp, name))
 ROW_WISE_PROCESSORS = PREFIX_FREE_PROCESSORS + tuple(
     getattr(lp, name) for name in _PREFIX_DEPENDENT_NAMES if hasattr(lp, name)
@@ -61,6 +69,27 @@ def check_processors(processors: LogitsProcessorList) -> None:
             "on more than the row's own prefix and scores (batch index, other rows, internal state). Remove it, "
             "decode without assistant_model, or, if it is row-wise, set `jakiro_per_node_safe = True` on its class."
         )
+
+
+def _for_rows(processors: LogitsProcessorList, rows: int) -> LogitsProcessorList:
+    """`processors` ready for a call with `rows` rows: per-batch state of one row (the batch of one that generate
+    was given) repeated `rows` times, in shallow copies; the originals are untouched."""
+    adapted = []
+    for processor in processors:
+        names = PER_ROW_STATE.get(type(processor).__name__, ())
+        state = {name: getattr(processor, name, None) for name in names}
+        state = {name: value for name, value in state.items() if torch.is_tensor(value) and value.shape[0] != rows}
+        if state:
+            processor = copy.copy(processor)
+            for name, value in state.items():
+                if value.shape[0] != 1:
+                    raise ValueError(
+                        f"{type(processor).__name__}.{name} holds state for a batch of {value.shape[0]} rows; Jakiro "
+                        "decoding runs one sequence per processor list."
+                    )
+                setattr(processor, name, value.expand(rows, *value.shape[1:]))
+        adapted.append(processor)
+    return LogitsProcessorList(adapted)
 
 
 def path_tokens(tree: DraftTree) -> torch.LongTensor:
@@ -89,7 +118,8 @@ def process_tree_logits(
     if len(processors) == 0:
         return logits
     if all(type(processor) in PREFIX_FREE_PROCESSORS for processor in processors):
-        return processors(input_ids.expand(logits.shape[0], -1), logits.clone())  # processors may work in place
+        rows = logits.shape[0]
+        return _for_rows(processors, rows)(input_ids.expand(rows, -1), logits.clone())  # may work in place
     if nodes is None:
         nodes = torch.arange(tree.num_nodes, device=logits.device)
     # Rows sorted by depth (already so in a breadth-first tree), so that each depth is one contiguous slice; how many
@@ -105,9 +135,9 @@ def process_tree_logits(
             continue
         rows = order[start : start + count]
         prefix = torch.cat([input_ids.expand(count, -1), tokens[start : start + count, 1 : depth + 1]], dim=1)
-        out[rows] = processors(prefix, logits[rows])  # an index copy: processors may work in place
+        out[rows] = _for_rows(processors, count)(prefix, logits[rows])  # an index copy: may work in place
         start += count
     return out
 
 
-__all__ = ["PREFIX_FREE_PROCESSORS", "ROW_WISE_PROCESSORS", "check_processors", "path_tokens", "process_tree_logits"]
+__all__ = ["PER_ROW_STATE", "PREFIX_FREE_PROCESSORS", "ROW_WISE_PROCESSORS", "check_processors", "path_tokens", "process_tree_logits"]
