@@ -121,6 +121,8 @@ def test_push_to_hub_uploads_weights_code_and_card(draft, hub):
         "configuration_jakiro.py",
         "modeling_jakiro.py",
         "README.md",
+        "custom_generate/generate.py",
+        "custom_generate/requirements.txt",
     }
     card = ModelCard(hub.files["README.md"].decode())
     assert card.data.base_model == TARGET and card.data.library_name == "transformers"

@@ -428,18 +428,50 @@ class JakiroDraftModel(JakiroPreTrainedModel):
         left, right = self.layer(x, cos, sin, attention_mask, cache, features_to_keep)
         return JakiroDraftOutput(last_hidden_state=left, contrastive_hidden_state=right, cache=cache)
 
+    # -- used as a plain assistant model ------------------------------------------------------------------------
+    @property
+    def generation_config(self):
+        """A head has no generation config: it drafts trees for its target inside the target's generate. Without
+        transformers-jakiro imported, `generate(..., assistant_model=draft)` would run the head as a stand-alone
+        assistant LM, whose first read of the assistant is this attribute: it raises what to do instead. With the
+        package imported the tree path never reads it, and it stays missing as on any model that cannot generate."""
+        assigned = self.__dict__.get("_assigned_generation_config")
+        if assigned is not None:
+            return assigned
+        from transformers.generation.utils import GenerationMixin
+
+        if getattr(GenerationMixin._assisted_decoding, "_jakiro", False):  # the package's generate hook is installed
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'generation_config'")
+        head = self.name_or_path or "<this head's repo id or folder>"
+        raise RuntimeError(
+            f"{type(self).__name__} is a Jakiro draft head, not a stand-alone assistant model: tree decoding with "
+            "generate(..., assistant_model=draft) comes from the transformers-jakiro package. Run "
+            "`pip install transformers-jakiro` and `import transformers_jakiro` before calling generate. Or use the "
+            "decoding method saved with the head (it needs the package too): "
+            f'target.generate(**inputs, custom_generate="{head}", draft=draft, trust_remote_code=True).'
+        )
+
+    @generation_config.setter
+    def generation_config(self, value):
+        self.__dict__["_assigned_generation_config"] = value
+
     # -- saving and loading --------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory, is_main_process: bool = True, *args, write_model_card=True, **kwargs):
-        """As in transformers, plus a model card (README.md) unless the directory has one or write_model_card=False."""
+        """As in transformers, plus the Hub decoding method (custom_generate/generate.py and requirements.txt, for
+        `target.generate(..., custom_generate=<head>, draft=draft, trust_remote_code=True)`) and a model card
+        (README.md) unless the directory has one or write_model_card=False."""
         super().save_pretrained(save_directory, is_main_process, *args, **kwargs)
-        readme = os.path.join(save_directory, "README.md")
-        if not (write_model_card and is_main_process and os.path.isdir(save_directory)) or os.path.exists(readme):
+        if not (is_main_process and os.path.isdir(save_directory)):
             return
-        try:  # the card builder lives in the package; this file also runs as remote code without it
+        try:  # the card builder and the decoding method live in the package; this file also runs as remote code
             from transformers_jakiro.hub import build_model_card
+            from transformers_jakiro.hub_decoding import write_custom_generate
         except ImportError:
             return
-        build_model_card(self).save(readme)
+        write_custom_generate(save_directory)
+        readme = os.path.join(save_directory, "README.md")
+        if write_model_card and not os.path.exists(readme):
+            build_model_card(self).save(readme)
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """As in transformers, but a repo without a card gets the Jakiro model card: the stock push writes a generic
