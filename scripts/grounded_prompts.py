@@ -2,10 +2,10 @@
 
 This is where copying from the context pays (n-gram lookup, hybrid trees), unlike open-ended chat. The passages are
 functions and module docstrings of the Python standard library (Python Software Foundation License, permissive),
-taken from the interpreter that runs this script; the result is committed as benchmarks/suites/grounded.jsonl so
-every run benchmarks the same text.
+taken from the interpreter that runs this script; the result ships in the package as
+src/transformers_jakiro/bench/data/grounded.jsonl so every run benchmarks the same text.
 
-    python scripts/grounded_prompts.py --out benchmarks/suites/grounded.jsonl
+    python scripts/grounded_prompts.py --out src/transformers_jakiro/bench/data/grounded.jsonl
 """
 
 import argparse

@@ -174,13 +174,13 @@ def test_tune_measures_and_chooses(models):
 def test_lookup_rows_use_the_tuned_or_default_budget(models, monkeypatch):
     target, tokenizer, draft, _ = models
     seen = []
-    real = bench.tree_settings
+    real = bench.measure.tree_settings
 
     def spy(draft, **overrides):
         seen.append(overrides)
         return real(draft, **overrides)
 
-    monkeypatch.setattr(bench, "tree_settings", spy)
+    monkeypatch.setattr(bench.measure, "tree_settings", spy)
     prompt = {"mt_bench": [{"id": "1", "turns": ["abcabcabcabc"]}]}
     bench.run_benchmark(target, tokenizer, draft, prompts=prompt, methods=["jakiro", "jakiro_lookup", "eagle2"],
                         max_new_tokens=8, log=lambda _: None)
@@ -280,12 +280,12 @@ def test_vocab_coverage_counts_generated_tokens_the_draft_can_propose(models):
 
 def test_tree_option_overrides_the_heads_settings(models):
     target, tokenizer, draft, _ = models
-    assert bench._tree_option("8/2/6", 5) == {"total_tokens": 8, "depth": 2, "top_k": 6, "lookup_tokens": 5,
+    assert bench.cli._tree_option("8/2/6", 5) == {"total_tokens": 8, "depth": 2, "top_k": 6, "lookup_tokens": 5,
                                               "lookup_chains": None}
     with pytest.raises(SystemExit, match="TOTAL_TOKENS/DEPTH/TOP_K"):
-        bench._tree_option("8/2", None)
+        bench.cli._tree_option("8/2", None)
     result = bench.run_benchmark(target, tokenizer, draft, prompts=PROMPTS, methods=["jakiro_lookup"],
-                                 max_new_tokens=4, tree_overrides=bench._tree_option("3/1/2", 7, 2), log=lambda _: None)
+                                 max_new_tokens=4, tree_overrides=bench.cli._tree_option("3/1/2", 7, 2), log=lambda _: None)
     settings = result["config"]["tree_settings"]
     assert (settings["total_tokens"], settings["depth"], settings["top_k"]) == (3, 1, 2)
     assert settings["lookup_tokens (jakiro_lookup)"] == 7 and settings["source"] == "command line"

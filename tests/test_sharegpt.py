@@ -97,7 +97,7 @@ def test_distill_reads_first_human_turns_from_a_data_spec(tmp_path):
 def test_distill_data_spec_skips_benchmark_prompts_in_every_format(tmp_path, monkeypatch):
     from transformers_jakiro import distill
 
-    monkeypatch.setattr("transformers_jakiro.sharegpt.benchmark_prompts", lambda: {"bench question?"})
+    monkeypatch.setattr(distill, "benchmark_prompts", lambda: {"bench question?"})
     lines = [{"prompt": "Bench  Question?"}, {"turns": ["bench question?"]}, record(0, prompt="BENCH question?"),
              {"prompt": "fine"}]
     path = tmp_path / "p.jsonl"

@@ -11,17 +11,14 @@ from tiny_models import make_target
 from transformers import DynamicCache, TrainerCallback
 
 from transformers_jakiro import JakiroDraftModel, cli, tree_settings
-from transformers_jakiro.distill import distill
-from transformers_jakiro.feature_store import FeatureStore, conversation_key, target_fingerprint
-from transformers_jakiro.train import (
+from transformers_jakiro.training.distill import distill
+from transformers_jakiro.training.feature_store import FeatureStore, conversation_key, target_fingerprint
+from transformers_jakiro.training import (
     JakiroCollator,
     JakiroTrainer,
     JakiroTrainingConfig,
-    _command,
-    add_arguments,
     assistant_tokens,
     build_examples,
-    config_from_args,
     evaluate_tau,
     init_from_head,
     read_conversations,
@@ -31,6 +28,7 @@ from transformers_jakiro.train import (
     unroll_draft,
     unrolled_attention_mask,
 )
+from transformers_jakiro.training.cli import _command, add_arguments, config_from_args
 
 
 @pytest.fixture(scope="module")
@@ -623,6 +621,41 @@ def test_cli_loss_weights_reach_the_training_config(tmp_path):
     assert parser.parse_args(base + ["--expert-size", "1536"]).expert_size == 1536
 
 
+def test_cli_keeps_every_option_spelling(tmp_path):
+    """The options generated from the config dataclasses keep the original command line's spellings (both dashes and
+    underscores work) and reach the right fields."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = {
+        "--out": str(tmp_path / "head"), "--draft-vocab": "100", "--epochs": "2", "--max-steps": "3", "--lr": "1e-4",
+        "--batch-size": "2", "--grad-accum": "3", "--max-length": "64", "--warmup": "5", "--unroll-steps": "2",
+        "--feature-noise": "0.1", "--left-feature-weight": "0.9", "--left-ce-weight": "0.2",
+        "--right-feature-weight": "0.3", "--right-ce-weight": "0.4", "--save-steps": "7", "--logging-steps": "2",
+        "--seed": "5", "--target-dtype": "float32", "--feature-cache": str(tmp_path / "fc"), "--init-from": "h",
+        "--push-to-hub": "org/name", "--eval-prompts": "p.jsonl", "--eval-size": "0", "--eval-max-new-tokens": "9",
+        "--save-dtype": "bfloat16", "--total-tokens": "8", "--depth": "2", "--top-k": "4", "--feature-layers": "auto",
+        "--expert-size": "96",
+    }
+    switches = ["--drop-longer", "--bf16", "--cache-features", "--prepare-features", "--resume", "--overwrite"]
+    help_text = parser.format_help()
+    assert all(flag in help_text for flag in [*flags, *switches, "--target", "--data"])
+    argv = ["--target", "t", "--data", "d.jsonl", *[x for pair in flags.items() for x in pair], *switches]
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+    assert (config.output_dir, config.draft_vocab_size, config.num_train_epochs, config.learning_rate) == (
+        str(tmp_path / "head"), 100, 2.0, 1e-4)
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps, config.warmup_steps) == (2, 3, 5.0)
+    assert (config.feature_cache_dir, config.unroll_steps, config.bf16, config.drop_longer) == (
+        str(tmp_path / "fc"), 2, True, True)
+    assert not config.push_to_hub and args.push_to_hub == "org/name"  # the head is pushed, not the checkpoints
+    assert (args.feature_layers, args.expert_size, args.prepare_features, args.target_dtype) == ("auto", 96, True,
+                                                                                                 "float32")
+    assert parser.parse_args(["--target", "t", "--data", "d", "--output_dir", "o", "--unroll_steps", "3"]).unroll_steps == 3
+    assert _command(args).startswith("jakiro train --target t --data d.jsonl") and "--epochs 2.0" in _command(args)
+
+
 @pytest.mark.parametrize(
     "flags, dtype",
     [([], "float32"), (["--bf16"], "bfloat16"), (["--bf16", "--target-dtype", "float32"], "float32")],
@@ -631,7 +664,7 @@ def test_cli_target_dtype(tmp_path, monkeypatch, flags, dtype):
     """--bf16 loads the target in bf16 unless --target-dtype says otherwise (e.g. to reuse an fp32 feature cache)."""
     import argparse
 
-    from transformers_jakiro import train as train_module
+    from transformers_jakiro.training import cli as train_cli
 
     loaded = []
 
@@ -639,11 +672,11 @@ def test_cli_target_dtype(tmp_path, monkeypatch, flags, dtype):
         loaded.append(wanted)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(train_module, "load_target_or_explain", fake_load)
+    monkeypatch.setattr(train_cli, "load_target_or_explain", fake_load)
     data = tmp_path / "d.jsonl"
     data.write_text("")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(ValueError, match="stop here"):
-        train_module.run(parser.parse_args(["--target", "t", "--data", str(data), "--out", str(tmp_path / "h")] + flags))
+        train_cli.run(parser.parse_args(["--target", "t", "--data", str(data), "--out", str(tmp_path / "h")] + flags))
     assert loaded == [dtype]

@@ -8,9 +8,9 @@ import sys
 # Modules that contribute a subcommand, in the order `jakiro --help` lists them.
 SUBCOMMAND_MODULES = [
     "transformers_jakiro.convert",
-    "transformers_jakiro.distill",
-    "transformers_jakiro.train",
-    "transformers_jakiro.bench",
+    "transformers_jakiro.training.distill",
+    "transformers_jakiro.training.cli",
+    "transformers_jakiro.bench.cli",
     "transformers_jakiro.demo",
 ]
 

@@ -1,5 +1,7 @@
-"""Acceptance statistics: what a `generate` call with a Jakiro draft did, round by round."""
+"""Acceptance statistics: what a `generate` call with a Jakiro draft did, round by round (`JakiroGenerationStats`),
+and over many generations how deep the draft's tokens are accepted (`acceptance_profile`)."""
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 
@@ -51,4 +53,22 @@ class JakiroGenerationStats:
         }
 
 
-__all__ = ["JakiroGenerationStats"]
+def acceptance_profile(accepted_lengths: Sequence[Sequence[int]], levels: int) -> dict:
+    """From per-generation `accepted_lengths` (bonus token included; the prefill round and each generation's last
+    round, which a stop may cut short, are left out): survival[d - 1] = P(at least d draft tokens accepted) and the
+    per-depth acceptance rates P(d accepted | d - 1 accepted), d = 1..levels."""
+    accepted = [length - 1 for lengths in accepted_lengths for length in lengths[1:-1]]
+    rounds = len(accepted)
+    survival = [sum(a >= d for a in accepted) / rounds if rounds else 0.0 for d in range(1, levels + 1)]
+    rates = [survival[0] if levels else 0.0] + [
+        survival[d] / survival[d - 1] if survival[d - 1] else 0.0 for d in range(1, levels)
+    ]
+    return {"rounds": rounds, "survival": survival, "acceptance_rates": rates}
+
+
+def format_acceptance(survival: Sequence[float]) -> str:
+    """`[0.6, 0.3]` -> "d>=1 0.60, d>=2 0.30": the share of draft rounds that accept at least d draft tokens."""
+    return ", ".join(f"d>={d} {share:.2f}" for d, share in enumerate(survival, start=1))
+
+
+__all__ = ["JakiroGenerationStats", "acceptance_profile", "format_acceptance"]
