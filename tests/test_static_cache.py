@@ -203,5 +203,5 @@ def test_offloaded_static_cache_is_refused(pairs):
     target, draft = pairs("llama")
     cache = StaticCache(config=target.config, max_cache_len=64)
     cache.offloading = True
-    with pytest.raises(ValueError, match="offloaded static"):
+    with pytest.raises(ValueError, match="offloaded caches .cache_implementation=.offloaded_static.*Use cache_implementation=.static."):
         target.generate(torch.tensor([[5, 9]]), max_new_tokens=3, assistant_model=draft, **{_cache_kwarg(target): cache})

@@ -143,8 +143,9 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
 
 
 def _target_cache(target, model_kwargs: dict, generation_config: GenerationConfig, max_nodes: int):
-    """The target's cache for this call: dynamic, or static with `cache_implementation="static"` or a StaticCache
-    passed to generate.
+    """The target's cache for this call: the DynamicCache generate prepared or the caller passed (filled in place,
+    as plain generate fills it), or static with `cache_implementation="static"` or a StaticCache passed to generate.
+    Offloaded and quantized caches are refused by name: the tree path edits every layer's tensors in place.
 
     The static cache `generate` builds holds `max_length - 1` positions, but a round writes a whole tree after the
     accepted prefix, so it is replaced by one of transformers' own `StaticCache`s of `max_length + max_nodes`
@@ -152,13 +153,21 @@ def _target_cache(target, model_kwargs: dict, generation_config: GenerationConfi
     call to the next on the same target: a compiled forward then keeps its shapes whatever the prompt length. A
     StaticCache the caller passed is used as it is (and so filled, as in plain generate), if it is large enough."""
     given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if not is_static(given):
+    if given is None:  # use_cache=False, or a model that builds no cache in generate: decode with our own
         return new_target_cache(target.config)
     if getattr(given, "offloading", False):
+        kind = "static" if is_static(given) else "dynamic"
         raise ValueError(
-            "Jakiro decoding does not support offloaded static caches (cache_implementation='offloaded_static'): it "
-            "moves the accepted path inside each layer's tensors. Use cache_implementation='static'."
+            f"Jakiro decoding does not support offloaded caches (cache_implementation='offloaded"
+            f"{'_static' if kind == 'static' else ''}'): it moves the accepted path inside each layer's tensors, "
+            f"which offloading keeps on another device. Use cache_implementation='{kind}'."
         )
+    if not is_static(given):
+        # The DynamicCache generate built, or the caller's own: filled in place, as plain generate fills it. Anything
+        # else (a QuantizedCache, sliding-window layers) is refused by name.
+        what = "The cache passed to generate" if getattr(given, "_is_user_defined", False) else "The target's cache"
+        check_cache_supported(given, what=what)
+        return given
     needed = max(generation_config.max_length + max_nodes, getattr(generation_config, "max_cache_len", None) or 0)
     if getattr(given, "_is_user_defined", False):  # set by generate on a cache passed in (5.17 and 5.24)
         check_cache_supported(given, what="The cache passed to generate")
@@ -480,28 +489,54 @@ def jakiro_generate(
     top_k: int | None = None,
     contrastive: bool | None = None,
     lookup_tokens: int | None = None,
+    lookup_max_ngram: int | None = None,
+    lookup_chains: int | None = None,
     fixed_shape: bool | None = None,
+    tokenizer=None,
     **model_kwargs,
 ):
     """`custom_generate` entry point: `target.generate(**inputs, custom_generate=jakiro_generate, draft=draft,
-    total_tokens=60, depth=5, top_k=10, lookup_tokens=10)`. Tree settings default to `draft.config`; `fixed_shape`
-    (default: on with `cache_implementation="static"`) pads every round's tree to one size."""
+    total_tokens=60, depth=5, top_k=10, lookup_tokens=10)`. Takes the same settings as the `assistant_model` entry
+    point (`TreeSettings.resolve`): these keyword arguments first, then `prompt_lookup_num_tokens` /
+    `max_matching_ngram_size`, then `tree_settings(draft, ...)`, then `draft.config`; `fixed_shape` (default: on
+    with `cache_implementation="static"`) pads every round's tree to one size. `tokenizer` is what `generate` built
+    its stop-string criteria with (kept for this function by the package's hook); decoding itself needs none."""
     if draft is None:
         raise ValueError("jakiro_generate needs `draft=`, a JakiroDraftModel for this target.")
+    refuse_synced_gpus(synced_gpus)
     settings = TreeSettings.resolve(
         draft,
+        generation_config,
         total_tokens=total_tokens,
         depth=depth,
         top_k=top_k,
         contrastive=contrastive,
         lookup_tokens=lookup_tokens,
+        lookup_max_ngram=lookup_max_ngram,
+        lookup_chains=lookup_chains,
         fixed_shape=fixed_shape,
     )
-    if streamer is None:
+    if streamer is None:  # a transformers release whose generate the package's hook does not reach
         streamer = _streamer_of_running_generate(model)
     return jakiro_decode(
         model, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, settings, **model_kwargs
     )
+
+
+# Marks the callable whose `generate` keyword arguments the package's hook keeps (`generation._extract_...`).
+jakiro_generate._jakiro_generate = True
+
+
+def refuse_synced_gpus(synced_gpus: bool) -> None:
+    """Under `synced_gpus` (DeepSpeed ZeRO-3 or FSDP across ranks, set by generate itself) every rank must run the same
+    number of forwards; with a draft each rank accepts its own number of tokens per round, so ranks would wait for
+    one another forever."""
+    if synced_gpus:
+        raise ValueError(
+            "Jakiro decoding does not support synced_gpus=True (DeepSpeed ZeRO-3 or FSDP sharded across ranks): ranks "
+            "accept different numbers of tokens per round and would run different numbers of forwards and hang. "
+            "Generate without the draft there, or load the target unsharded on each rank (synced_gpus=False)."
+        )
 
 
 __all__ = [
@@ -510,5 +545,6 @@ __all__ = [
     "jakiro_decode",
     "jakiro_generate",
     "lazy_leaf_head",
+    "refuse_synced_gpus",
     "verify_tree",
 ]

@@ -42,7 +42,14 @@ class TreeSettings:
         return int(self.total_tokens) + 1 + int(self.lookup_tokens) * int(self.lookup_chains)
 
     @classmethod
-    def resolve(cls, draft: JakiroDraftModel, **overrides) -> "TreeSettings":
+    def resolve(cls, draft: JakiroDraftModel, generation_config=None, **overrides) -> "TreeSettings":
+        """The settings for one call, each taken from the first of: `overrides` (keyword arguments of the
+        custom_generate entry point), `generation_config` (`prompt_lookup_num_tokens` asks for lookup chains of that
+        many tokens, 0 turns lookup off; `max_matching_ngram_size` the longest n-gram matched), `tree_settings(draft,
+        ...)`, the draft's config. Both entry points resolve their settings here, so they take the same ones."""
+        overrides = {**lookup_from_generation_config(generation_config), **{
+            k: v for k, v in overrides.items() if v is not None
+        }}
         config = draft.config
         values = dict(
             total_tokens=config.total_tokens, depth=config.depth, top_k=config.top_k, contrastive=config.contrastive_head
@@ -61,6 +68,18 @@ class TreeSettings:
         if settings.contrastive and not config.contrastive_head:
             raise ValueError("contrastive=True needs a draft with a contrastive head (config.contrastive_head).")
         return settings
+
+
+def lookup_from_generation_config(generation_config) -> dict:
+    """The n-gram lookup settings a `GenerationConfig` asks for: `generate(..., prompt_lookup_num_tokens=k)` beside a
+    Jakiro draft runs the lookup inside the tree with chains of k tokens, matching suffixes of up to
+    `max_matching_ngram_size` tokens. Unset fields ask for nothing."""
+    overrides = {}
+    if getattr(generation_config, "prompt_lookup_num_tokens", None) is not None:
+        overrides["lookup_tokens"] = int(generation_config.prompt_lookup_num_tokens)
+    if getattr(generation_config, "max_matching_ngram_size", None) is not None:
+        overrides["lookup_max_ngram"] = int(generation_config.max_matching_ngram_size)
+    return overrides
 
 
 def draft_step(draft: JakiroDraftModel, cache, tokens, features, positions, mask, top_k: int):
@@ -185,8 +204,16 @@ class JakiroCandidateGenerator:
         of the last one, each with one row."""
         contrastive = self.settings.contrastive
         if not self.static or past == 0:  # the prompt (any length) runs eagerly: causal, no mask, last row kept
+            mask = None
+            if self.static and features.shape[0] == 1:
+                # Without a mask one query attends to every slot of the static cache, zeros included (causal
+                # attention, top-left aligned, covers several queries; one query gets no causal mask at all).
+                visible = torch.zeros(1, 1, 1, self.static_length, dtype=torch.bool, device=features.device)
+                visible[..., 0] = True
+                mask = self._visible_to_mask(visible)
             out = self.draft(
-                input_ids=next_tokens[None], hidden_states=features[None], cache=self.cache, features_to_keep=1
+                input_ids=next_tokens[None], hidden_states=features[None], cache=self.cache, features_to_keep=1,
+                attention_mask=mask,
             )
             left = out.last_hidden_state[0]
             right = out.contrastive_hidden_state[0] if contrastive else None
@@ -291,4 +318,4 @@ class JakiroCandidateGenerator:
 
 
 
-__all__ = ["JakiroCandidateGenerator", "TreeSettings"]
+__all__ = ["JakiroCandidateGenerator", "TreeSettings", "lookup_from_generation_config"]
