@@ -137,8 +137,8 @@ def test_static_and_dynamic_draft_trees_are_identical_from_the_first_round(pair,
     trees = []
     original = JakiroCandidateGenerator.get_candidates
 
-    def recording(self, input_ids):
-        tree = original(self, input_ids)
+    def recording(self, input_ids, choice=None):
+        tree = original(self, input_ids, choice)
         trees[-1].append((tree.tokens.tolist(), tree.parents.tolist()))
         return tree
 

@@ -91,9 +91,9 @@ def count_round_syncs(target, draft, monkeypatch, **generate_kwargs) -> list[int
     monkeypatch.setattr(decoding, "lazy_leaf_head", lambda *args: None)  # the accelerator path
     get_candidates = JakiroCandidateGenerator.get_candidates
 
-    def marked(self, input_ids):
+    def marked(self, input_ids, choice=None):
         counter.marks.append(counter.count)
-        return get_candidates(self, input_ids)
+        return get_candidates(self, input_ids, choice)
 
     monkeypatch.setattr(JakiroCandidateGenerator, "get_candidates", marked)
     prompt = torch.tensor([[3, 4, 5, 6, 7, 8]], device=device)

@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from . import verification
+from . import adaptive, verification
 from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
 from .features import TargetFeatures
 from .kv_cache import check_cache_supported, is_static, keep_accepted, new_target_cache, static_length, truncate
@@ -360,7 +360,7 @@ def jakiro_decode(
     compiled = forward is not target
     candidates = _candidate_generator(target, draft, settings, cache, fixed_shape, compiled, generation_config)
 
-    def emit(tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor) -> bool:
+    def emit(tokens, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor, choice="prefill") -> bool:
         """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends.
 
         Plain decoding checks the stopping criteria after every token, and an EOS or a stop string may sit inside an
@@ -379,7 +379,7 @@ def jakiro_decode(
             raw_logits.extend(raw[i : i + 1] for i in range(count))
         if streamer is not None:
             streamer.put(torch.tensor(token_ids[:count]))
-        stats.record(count)
+        stats.record(count, choice)
         return True in stops
 
     # Prefill: the prompt through the target, the first token from its last position.
@@ -416,11 +416,13 @@ def jakiro_decode(
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first, first.tolist(), processed, raw)
 
+    controller = adaptive.controller_for(target, draft, settings, static, fixed_shape)
     while not finished:
-        tic = time.perf_counter()
-        tree = candidates.get_candidates(sequence[:, padding:]).to_device(target_device)
+        tic = round_started = time.perf_counter()
+        choice = None if controller is None else controller.choose(candidates.lookup_ready())
+        tree = candidates.get_candidates(sequence[:, padding:], choice).to_device(target_device)
         if fixed_shape:
-            tree = tree.padded(settings.max_nodes)
+            tree = tree.padded(adaptive.padded_size(choice, settings))
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
@@ -431,13 +433,18 @@ def jakiro_decode(
         )
         candidates.set_features(verified.features)
         stats.verify_time_s += time.perf_counter() - tic
-        finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw)
+        choice = candidates.last_choice
+        finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw, choice.name)
+        if controller is not None:
+            controller.record(choice, len(verified.token_ids), time.perf_counter() - round_started)
         if verified.lookup_accepted is not None:
             stats.lookup_rounds += 1
             stats.lookup_accepted += verified.lookup_accepted
         candidates.extend_context(verified.token_ids, verified.lookup_accepted)
 
     truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
+    if controller is not None:
+        adaptive.remember(controller, draft)
     if streamer is not None:
         streamer.end()
     stats.total_time_s = time.perf_counter() - started
@@ -492,6 +499,7 @@ def jakiro_generate(
     lookup_max_ngram: int | None = None,
     lookup_chains: int | None = None,
     fixed_shape: bool | None = None,
+    adaptive: bool | None = None,
     tokenizer=None,
     **model_kwargs,
 ):
@@ -515,6 +523,7 @@ def jakiro_generate(
         lookup_max_ngram=lookup_max_ngram,
         lookup_chains=lookup_chains,
         fixed_shape=fixed_shape,
+        adaptive=adaptive,
     )
     if streamer is None:  # a transformers release whose generate the package's hook does not reach
         streamer = _streamer_of_running_generate(model)

@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicCache
 from .kv_cache import new_draft_cache, truncate
 from .lookup import NgramIndex
 from .modeling_jakiro import JakiroDraftModel
+from .adaptive import RoundChoice
 from .tree import DraftTree, TreeRecorder, graft_chains
 
 
@@ -25,7 +26,9 @@ class TreeSettings:
     lookup_tokens: length of the n-gram lookup chains grafted onto the tree (0: off; they come on top of
     total_tokens). lookup_max_ngram: longest suffix n-gram matched. lookup_chains: distinct chains per round.
     fixed_shape: pad every round's tree to `max_nodes` with never-accepted dummy nodes, so that every verification
-    forward has one shape (one compiled graph serves them all); None: on exactly when the target's cache is static."""
+    forward has one shape (one compiled graph serves them all); None: on exactly when the target's cache is static.
+    adaptive: let `adaptive.RoundController` choose every round between a plain step, lookup alone, a smaller tree
+    and this tree, by measured tokens per second; False pins this tree for every round."""
 
     total_tokens: int
     depth: int
@@ -35,6 +38,7 @@ class TreeSettings:
     lookup_max_ngram: int = 3
     lookup_chains: int = 1
     fixed_shape: bool | None = None
+    adaptive: bool = True
 
     @property
     def max_nodes(self) -> int:
@@ -55,7 +59,7 @@ class TreeSettings:
             total_tokens=config.total_tokens, depth=config.depth, top_k=config.top_k, contrastive=config.contrastive_head
         )
         # Heads saved before n-gram lookup existed have no lookup fields: lookup off.
-        for name in ("lookup_tokens", "lookup_max_ngram", "lookup_chains"):
+        for name in ("lookup_tokens", "lookup_max_ngram", "lookup_chains", "adaptive"):
             values[name] = getattr(config, name, getattr(cls, name))
         values.update(getattr(draft, "_tree_overrides", None) or {})
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -156,6 +160,7 @@ class JakiroCandidateGenerator:
         self.chain_was_whole = False  # the last round with lookup nodes accepted every one of them
         self._proposed = 0  # the longest chain of the last round that had lookup nodes
         self._features_unread = False  # a lookup-only round left `pending_features` for the draft to read later
+        self._chains = None  # this round's lookup chains, once `lookup_ready` has found them
 
     def extend_context(self, tokens: list[int], lookup_accepted: int | None = None) -> None:
         """Host copies of the accepted tokens (prompt first, then each round's), for the n-gram lookup.
@@ -199,7 +204,7 @@ class JakiroCandidateGenerator:
         outputs = self._step(self.draft, self.cache, tokens, features, positions, mask, self.top_k)
         return tuple(None if t is None else t.clone() for t in outputs)
 
-    def _read(self, next_tokens: torch.LongTensor, features: torch.Tensor, past: int):
+    def _read(self, next_tokens: torch.LongTensor, features: torch.Tensor, past: int, k: int):
         """The draft reads the accepted positions [past, past + m); returns (left, right, top-k log-probs, top-k ids)
         of the last one, each with one row."""
         contrastive = self.settings.contrastive
@@ -218,8 +223,8 @@ class JakiroCandidateGenerator:
             left = out.last_hidden_state[0]
             right = out.contrastive_hidden_state[0] if contrastive else None
             self._length = past + features.shape[0]
-            return (left, right, *self._draft_level(left))
-        k, device, width = self.top_k, features.device, self.static_length
+            return (left, right, *self._draft_level(left, k))
+        k, device, width = self.top_k, features.device, self.static_length  # static: always the configured k
         # Fused here, eagerly: the fixed-shape step then sees hidden-size features only, in reads as in levels, and
         # keeps its one compiled graph when the head reads several target layers.
         features = self.draft.fuse_features(features.to(self.draft.fc.weight.dtype))
@@ -237,10 +242,10 @@ class JakiroCandidateGenerator:
         last = slice(rows - 1, rows)
         return left[last], right[last] if contrastive else None, log_probs[last], ids[last]
 
-    def _level(self, tokens, parent_features, position: int, stable: int, visible: torch.BoolTensor):
+    def _level(self, tokens, parent_features, position: int, stable: int, visible: torch.BoolTensor, k: int):
         """One tree level: k nodes at `position`, seeing the cached prefix [0, stable) and, among the tree's cached
         entries, `visible` (their own ancestors and themselves). Returns (left, right, top-k log-probs, top-k ids)."""
-        k, device = self.top_k, tokens.device
+        device = tokens.device
         positions = torch.full((k,), position, device=device)
         if self.static:
             full = torch.zeros(k, self.static_length, dtype=torch.bool, device=device)
@@ -255,34 +260,63 @@ class JakiroCandidateGenerator:
         )
         left = out.last_hidden_state[0]
         right = out.contrastive_hidden_state[0] if self.settings.contrastive else None
-        return (left, right, *self._draft_level(left))
+        return (left, right, *self._draft_level(left, k))
 
-    def _draft_level(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.LongTensor]:
+    def _draft_level(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.LongTensor]:
         """Top-k (log-probability, target token id) of the draft's next-token distribution for each feature row."""
-        top = draft_log_probs(self.draft, features).topk(self.top_k, dim=-1)
+        top = draft_log_probs(self.draft, features).topk(k, dim=-1)
         return top.values, self.draft.draft_to_target_ids(top.indices)
 
-    @torch.no_grad()
-    def get_candidates(self, input_ids: torch.LongTensor) -> DraftTree:
-        """Expand a tree rooted at `input_ids[0, -1]` (the last accepted token); `input_ids` is [1, length].
+    def lookup_ready(self) -> bool:
+        """Whether the n-gram lookup offers a chain this round (found once, kept for this round's `get_candidates`)."""
+        self._chains = self._lookup_chains()
+        return bool(self._chains)
 
-        Lookup-only rounds: while the text copies an earlier passage (the last chain was accepted whole), the next
-        chain is verified alone, without draft nodes and without a draft forward, as in prompt lookup decoding; the
-        accepted tokens' features wait in `pending_features` and the draft reads them all in its next round."""
-        draft, k, settings = self.draft, self.top_k, self.settings
-        device = draft.fc.weight.device
-        input_ids = input_ids.to(device)
-        chains = self.lookup.chains(self.lookup_length, settings.lookup_chains) if self.lookup is not None else []
+    def _lookup_chains(self) -> list[list[int]]:
+        return self.lookup.chains(self.lookup_length, self.settings.lookup_chains) if self.lookup is not None else []
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids: torch.LongTensor, choice: RoundChoice | None = None) -> DraftTree:
+        """The tree to verify this round, rooted at `input_ids[0, -1]` (the last accepted token; [1, length]).
+
+        `choice` (from `adaptive.RoundController`): a plain step (the root alone), lookup chains alone, or a draft tree
+        of the choice's size with any lookup chains grafted. Without a choice, the configured tree, and lookup-only
+        rounds while the text copies an earlier passage (the last chain was accepted whole), as in prompt lookup
+        decoding. Rounds without a draft forward leave the accepted tokens' features in `pending_features`; the
+        draft reads them all in its next tree round."""
+        chains = self._chains if self._chains is not None else self._lookup_chains()
+        self._chains = None
+        root = input_ids[0, -1].to(self.draft.fc.weight.device)
+        kind = choice.kind if choice is not None else ("lookup" if chains and self.chain_was_whole else "tree")
+        self.last_choice = choice if choice is not None else RoundChoice(
+            kind, *((self.settings.total_tokens, self.settings.depth, self.top_k) if kind == "tree" else ())
+        )
+        if kind != "tree":
+            self._features_unread = True
+            if kind == "plain" or not chains:
+                return DraftTree.root_only(root)
+            self._proposed = max(len(chain) for chain in chains)
+            return graft_chains(DraftTree.root_only(root), chains)
         if chains:
             self._proposed = max(len(chain) for chain in chains)
-        if chains and self.chain_was_whole:
-            self._features_unread = True
-            return graft_chains(DraftTree.root_only(input_ids[0, -1]), chains)
+        settings = self.settings
+        if choice is None:
+            total_tokens, depth, k = settings.total_tokens, settings.depth, self.top_k
+        else:
+            total_tokens, depth, k = choice.total_tokens, choice.depth, min(choice.top_k, self.top_k)
+        return graft_chains(self._expand(input_ids.to(root.device), total_tokens, depth, k), chains)
+
+    def _expand(self, input_ids: torch.LongTensor, total_tokens: int, depth: int, k: int) -> DraftTree:
+        """The draft reads the accepted positions it has not read yet, then expands a tree EAGLE-2 style: `depth`
+        levels of `k` kept nodes with `k` children each (and the contrastive level), flattened to the best
+        `total_tokens` candidates."""
+        draft, settings = self.draft, self.settings
+        device = draft.fc.weight.device
         past = self.cached_length()
         features = self.pending_features
         next_tokens = input_ids[0, past + 1 : past + 1 + features.shape[0]]
         # left: [rows, hidden], rows of the last draft forward (the root: 1 row)
-        left, right, log_probs, tokens = self._read(next_tokens, features, past)
+        left, right, log_probs, tokens = self._read(next_tokens, features, past, k)
         stable = past + features.shape[0]  # the root token was read at draft position stable - 1
 
         recorder = TreeRecorder(input_ids[0, -1])
@@ -291,10 +325,10 @@ class JakiroCandidateGenerator:
         kept_rows = torch.zeros_like(kept_tokens)  # row of each kept node's parent in the last forward
         visible = torch.eye(k, dtype=torch.bool, device=device)  # kept nodes x tree KV entries: own ancestors
 
-        for level in range(2, settings.depth + 1):
+        for level in range(2, depth + 1):
             # a node reads its parent's predicted feature; log_probs, tokens: [k, k]
             position = stable - 2 + level
-            left, right, log_probs, tokens = self._level(kept_tokens, left[kept_rows], position, stable, visible)
+            left, right, log_probs, tokens = self._level(kept_tokens, left[kept_rows], position, stable, visible, k)
             scores = kept_scores[:, None] + log_probs
             index = recorder.add_level(tokens, kept_index[:, None].expand(k, k), scores, depth=level)
             best = scores.flatten().topk(k).indices
@@ -306,15 +340,15 @@ class JakiroCandidateGenerator:
             # The right head of node r predicts the token two ahead of r, i.e. a grandchild of r. Hang it under each
             # kept child c of r (score(c) + its log-prob): every grandchild sits below its own parent. (The
             # reference code attaches node r's predictions to the r-th kept child instead.)
-            log_probs, tokens = self._draft_level(right)
+            log_probs, tokens = self._draft_level(right, k)
             recorder.add_level(
                 tokens[kept_rows],
                 kept_index[:, None].expand(k, k),
                 kept_scores[:, None] + log_probs[kept_rows],
-                depth=settings.depth + 1,
+                depth=depth + 1,
             )
         self.rewind(stable)
-        return graft_chains(recorder.flatten(settings.total_tokens), chains)
+        return recorder.flatten(total_tokens)
 
 
 

@@ -24,6 +24,17 @@ class JakiroGenerationStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
+    # what each round verified, parallel to accepted_lengths: "prefill", then "plain", "lookup" or "tree T/D/K"
+    # (`adaptive.RoundChoice.name`; the round controller's choice, or the pinned tree)
+    choices: list[str] = field(default_factory=list)
+
+    @property
+    def choice_counts(self) -> dict:
+        """Rounds per choice, the prefill left out."""
+        counts = {}
+        for choice in self.choices[1:]:
+            counts[choice] = counts.get(choice, 0) + 1
+        return counts
 
     @property
     def mean_accepted_length(self) -> float:
@@ -39,10 +50,11 @@ class JakiroGenerationStats:
         """Tokens per draft-verify cycle, bonus token included, prefill excluded (the papers' acceptance length)."""
         return sum(self.accepted_lengths[1:]) / self.draft_rounds if self.draft_rounds else 0.0
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, choice: str = "prefill") -> None:
         self.rounds += 1
         self.new_tokens += accepted
         self.accepted_lengths.append(accepted)
+        self.choices.append(choice)
 
     def as_dict(self) -> dict:
         return {
@@ -50,6 +62,7 @@ class JakiroGenerationStats:
             "mean_accepted_length": self.mean_accepted_length,
             "draft_rounds": self.draft_rounds,
             "papers_tau": self.papers_tau,
+            "choice_counts": self.choice_counts,
         }
 
 

@@ -1,0 +1,243 @@
+"""The round controller: every round, choose what the target verifies so that new tokens per second are highest.
+
+A round can verify
+  * `plain`:  the last accepted token alone (one target step, no draft forward): exactly 1 new token;
+  * `lookup`: n-gram lookup chains alone (no draft forward), when the context offers one;
+  * `tree T/D/K`: a draft tree (the configured one, or a smaller one), with lookup chains grafted when lookup is on.
+Which pays depends on the machine (what a verify of n tokens costs against one step), the dtype, the text (how much
+the draft and the lookup get accepted) and the position in it, so the choice is learned while decoding:
+
+    expected tokens of a choice:  a discounted mean of the tokens its past rounds added (bonus token included;
+                                  every round ages all of them), starting from a prior worth `PRIOR_ROUNDS` rounds (for trees: the mean of this draft's
+                                  earlier generations, else a geometric guess from `PRIOR_ACCEPTANCE`);
+    cost of a choice:             a discounted mean of its measured round times (draft + verify, wall clock; aged
+                                  only by its own rounds), starting
+                                  from the times cached on disk for this target, dtype, device and cache kind
+                                  (`$JAKIRO_CACHE/round_costs.json`, updated after every generate call);
+    choice:                       the largest (expected tokens + exploration bonus) / cost. Choices with no cost yet
+                                  are tried first, in the order of `choices_for`; the bonus (EXPLORATION / (1 + the
+                                  choice's recent weight)) makes a choice that lost be tried again once its yield has
+                                  aged back towards its prior: every few tens of rounds, at the cost of one round.
+
+Exactness does not depend on the choice: every round is verified by the same rule, and the choice reads only past
+rounds (their tokens and times), never the round's own random draws, so sampling keeps the target's distribution.
+Everything here is pure bookkeeping on the host: no tensor, no device sync.
+"""
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DISCOUNT = 0.95  # weight of an observation one round older: the last ~20 rounds dominate
+PRIOR_ROUNDS = 0.5  # the prior's weight, in rounds: enough to rank untried choices, little against measurements
+PRIOR_ACCEPTANCE = 0.55  # a tree's guessed acceptance per depth before anything was measured
+EXPLORATION = 0.3  # the exploration bonus, in tokens, of a choice not seen lately (a quarter after one round)
+
+
+@dataclass(frozen=True)
+class RoundChoice:
+    kind: str  # "plain", "lookup" or "tree"
+    total_tokens: int = 0
+    depth: int = 0
+    top_k: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.kind != "tree" else f"tree {self.total_tokens}/{self.depth}/{self.top_k}"
+
+
+def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_shape: bool) -> list[RoundChoice]:
+    """The configured tree, a smaller tree (not with fixed shapes: every tree is padded to one size there, so a
+    smaller one would save only draft levels), lookup alone when lookup is on, and a plain step; in the order they
+    are first tried."""
+    full = RoundChoice("tree", total_tokens, depth, top_k)
+    options = [full]
+    small = RoundChoice("tree", total_tokens // 3, max(1, (depth + 1) // 2), max(1, min(top_k, 4)))
+    if not fixed_shape and small.total_tokens >= 2:
+        options.append(small)
+    if lookup:
+        options.append(RoundChoice("lookup"))
+    options.append(RoundChoice("plain"))
+    return options
+
+
+def prior_tokens(choice: RoundChoice, acceptance: float = PRIOR_ACCEPTANCE) -> float:
+    """Tokens a round of `choice` is guessed to add before any is measured: a plain step 1; a tree 1 + a + a^2 + ...
+    over its levels (the contrastive level included); lookup 1 + a."""
+    if choice.kind == "plain":
+        return 1.0
+    if choice.kind == "lookup":
+        return 1.0 + acceptance
+    return sum(acceptance**level for level in range(choice.depth + 2))
+
+
+@dataclass
+class RunningMean:
+    """A discounted mean: each new observation weighs 1, older ones DISCOUNT times less per step (`decay`)."""
+
+    weight: float = 0.0
+    total: float = 0.0
+
+    def decay(self) -> None:
+        self.weight *= DISCOUNT
+        self.total *= DISCOUNT
+
+    def add(self, value: float) -> None:
+        self.weight += 1.0
+        self.total += value
+
+    def mean(self, prior: float | None = None, prior_weight: float = 0.0) -> float | None:
+        if prior is None:
+            return self.total / self.weight if self.weight else None
+        return (self.total + prior * prior_weight) / (self.weight + prior_weight)
+
+
+@dataclass
+class RoundController:
+    """Chooses each round's `RoundChoice` (see the module docstring). `token_priors` and `cost_priors` map choice
+    names to tokens per round and seconds per round from earlier calls."""
+
+    choices: list[RoundChoice]
+    token_priors: dict = field(default_factory=dict)
+    cost_priors: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.tokens = {c.name: RunningMean() for c in self.choices}
+        self.costs = {c.name: RunningMean() for c in self.choices}
+        self.rounds = 0
+
+    def expected_tokens(self, choice: RoundChoice) -> float:
+        if choice.kind == "plain":
+            return 1.0
+        prior = self.token_priors.get(choice.name, prior_tokens(choice))
+        return self.tokens[choice.name].mean(prior, PRIOR_ROUNDS)
+
+    def expected_cost(self, choice: RoundChoice) -> float | None:
+        prior = self.cost_priors.get(choice.name)
+        return self.costs[choice.name].mean(prior, PRIOR_ROUNDS if prior is not None else 0.0)
+
+    def choose(self, lookup_ready: bool = True) -> RoundChoice:
+        """This round's choice; `lookup_ready`: the n-gram lookup has a chain to offer now."""
+        available = [c for c in self.choices if c.kind != "lookup" or lookup_ready]
+        for choice in available:  # first, measure what each choice costs
+            if self.expected_cost(choice) is None:
+                return choice
+
+        def value(choice: RoundChoice) -> float:
+            recent = self.tokens[choice.name].weight  # decays every round: what was not tried lately weighs little
+            bonus = 0.0
+            if choice.kind != "plain":  # a plain step's yield is known: exactly one token
+                bonus = EXPLORATION / (1.0 + recent) ** 2
+            return (self.expected_tokens(choice) + bonus) / self.expected_cost(choice)
+
+        return max(available, key=value)  # ties: the earlier choice (a larger tree)
+
+    def record(self, choice: RoundChoice, tokens: int, seconds: float) -> None:
+        """A round's outcome. Token yields age with every round (the text changes: a choice not tried for a while
+        drifts back to its prior and is tried again); costs age only with their own rounds (the machine does not)."""
+        self.rounds += 1
+        for mean in self.tokens.values():
+            mean.decay()
+        self.tokens[choice.name].add(float(tokens))
+        self.costs[choice.name].decay()
+        self.costs[choice.name].add(float(seconds))
+
+    def learned_tokens(self) -> dict:
+        return {name: mean.mean() for name, mean in self.tokens.items() if mean.weight}
+
+    def learned_costs(self) -> dict:
+        costs = {choice.name: self.expected_cost(choice) for choice in self.choices}
+        return {name: cost for name, cost in costs.items() if cost is not None}
+
+
+def controller_for(target, draft, settings, static: bool, fixed_shape: bool) -> RoundController | None:
+    """The controller for one generate call (None with `settings.adaptive` off): its choices from the settings, its
+    cost priors from the disk cache for this machine, its token priors from the draft's earlier generations."""
+    if not settings.adaptive:
+        return None
+    vocab = draft.config.draft_vocab_size or draft.config.vocab_size
+    choices = choices_for(
+        settings.total_tokens, settings.depth, min(settings.top_k, vocab), settings.lookup_tokens > 0, fixed_shape
+    )
+    key = machine_key(target, "static" if static else "dynamic")
+    known = getattr(draft, "_jakiro_round_tokens", {})
+    controller = RoundController(choices, token_priors=dict(known), cost_priors=load_costs(key))
+    controller.key = key
+    return controller
+
+
+def remember(controller: RoundController, draft) -> None:
+    """After a generate call: the learned round costs go to the disk cache, the tokens per round to the draft (the
+    next call's priors)."""
+    save_costs(controller.key, controller.learned_costs())
+    draft._jakiro_round_tokens = {**getattr(draft, "_jakiro_round_tokens", {}), **controller.learned_tokens()}
+
+
+def padded_size(choice: RoundChoice | None, settings) -> int:
+    """With fixed shapes, the size a round's tree is padded to: one per kind of choice (a handful of shapes, each
+    compiled once): the root alone, the root and the lookup chains, or the largest tree."""
+    if choice is not None and choice.kind == "plain":
+        return 1
+    if choice is not None and choice.kind == "lookup":
+        return 1 + int(settings.lookup_tokens) * int(settings.lookup_chains)
+    return settings.max_nodes
+
+
+def machine_key(target, cache_kind: str, batch_size: int = 1) -> str:
+    """What a round's cost depends on besides the tree: the target's shape, dtype, device, cache kind, batch size and
+    the threads torch uses (on a CPU)."""
+    import torch
+
+    text = target.config.get_text_config(decoder=True)
+    device = target.get_input_embeddings().weight.device
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    shape = "-".join(str(getattr(text, name, "")) for name in ("hidden_size", "num_hidden_layers", "vocab_size"))
+    return f"{text.model_type}-{shape}|{target.dtype}|{device.type}|{cache_kind}|batch {batch_size}|threads {threads}"
+
+
+def costs_path() -> Path:
+    root = os.environ.get("JAKIRO_CACHE") or Path.home() / ".cache" / "transformers_jakiro"
+    return Path(root) / "round_costs.json"
+
+
+def load_costs(key: str) -> dict:
+    """The per-choice round costs cached for `key`; {} when none (or the file is unreadable)."""
+    try:
+        return dict(json.loads(costs_path().read_text()).get(key, {}))
+    except (OSError, ValueError):
+        return {}
+
+
+def save_costs(key: str, costs: dict) -> None:
+    """Merge `costs` into the cache file (atomically: a reader never sees half a file); failures are ignored, the
+    cache only saves the next call its first measurements."""
+    path = costs_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+        table[key] = {**table.get(key, {}), **costs}
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(handle, "w") as out:
+            json.dump(table, out, indent=1, sort_keys=True)
+        os.replace(temporary, path)
+    except OSError:
+        pass
+
+
+__all__ = [
+    "RoundChoice",
+    "RoundController",
+    "choices_for",
+    "controller_for",
+    "load_costs",
+    "machine_key",
+    "padded_size",
+    "prior_tokens",
+    "remember",
+    "save_costs",
+]

@@ -1,0 +1,159 @@
+"""The round controller: its choice rule (pure, on simulated rounds), its cost cache, and exactness whatever it
+chooses (greedy identical to plain; sampling keeps the target's distribution)."""
+
+import itertools
+import json
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+from test_sampling import PROMPT, chi_square_p_value, exact_distribution, sample_counts
+from tiny_models import ARCHS, random_prompt, trained_pairs
+from transformers_jakiro import adaptive, jakiro_generate, tree_settings
+from transformers_jakiro.adaptive import RoundChoice, RoundController, choices_for
+from transformers_jakiro.drafting import TreeSettings
+
+FULL, SMALL = RoundChoice("tree", 24, 4, 6), RoundChoice("tree", 8, 2, 4)
+LOOKUP, PLAIN = RoundChoice("lookup"), RoundChoice("plain")
+
+
+def test_choices_for_the_configured_tree():
+    assert choices_for(24, 4, 6, lookup=True, fixed_shape=False) == [FULL, SMALL, LOOKUP, PLAIN]
+    assert choices_for(24, 4, 6, lookup=False, fixed_shape=True) == [FULL, PLAIN]  # one padded tree size
+    assert choices_for(5, 1, 2, lookup=False, fixed_shape=False) == [RoundChoice("tree", 5, 1, 2), PLAIN]
+
+
+def simulate(controller, outcome, rounds=200, lookup_ready=True):
+    """Run the controller on simulated rounds: outcome(choice) -> (tokens, seconds). Returns the choice counts and
+    the tokens per second reached."""
+    counts, tokens, seconds = {}, 0.0, 0.0
+    for _ in range(rounds):
+        choice = controller.choose(lookup_ready)
+        counts[choice.name] = counts.get(choice.name, 0) + 1
+        added, took = outcome(choice)
+        controller.record(choice, added, took)
+        tokens, seconds = tokens + added, seconds + took
+    return counts, tokens / seconds
+
+
+def test_each_choice_is_measured_first_then_the_fastest_dominates():
+    # A CPU where a tree round costs 2.5 plain steps and adds 2 tokens: plain decoding is the fastest; lookup with
+    # nothing accepted is nearly as fast (its choice then costs little).
+    slow_tree = {FULL.name: (2, 2.5), SMALL.name: (1.5, 1.8), LOOKUP.name: (1, 1.05), PLAIN.name: (1, 1.0)}
+    controller = RoundController(choices_for(24, 4, 6, True, False))
+    assert controller.choose() == FULL  # nothing measured yet: the configured tree first
+    counts, rate = simulate(controller, lambda c: slow_tree[c.name])
+    assert all(counts[name] >= 1 for name in slow_tree)
+    assert counts[FULL.name] + counts[SMALL.name] < 30 and rate >= 0.95  # the best choice gives 1.0 token/s
+    # An accelerator where a tree round costs 1.2 steps and adds 3.5 tokens: the tree.
+    fast_tree = {FULL.name: (3.5, 1.2), SMALL.name: (2.2, 1.1), LOOKUP.name: (1.2, 1.0), PLAIN.name: (1, 1.0)}
+    counts, rate = simulate(RoundController(choices_for(24, 4, 6, True, False)), lambda c: fast_tree[c.name])
+    assert counts[FULL.name] > 180 and rate >= 0.97 * 3.5 / 1.2
+
+
+def test_a_choice_that_lost_is_tried_again_and_wins_when_the_text_changes():
+    controller = RoundController([FULL, PLAIN])
+    phase = {"tree_tokens": 1}
+    outcome = lambda c: (phase["tree_tokens"], 1.5) if c.kind == "tree" else (1, 1.0)  # noqa: E731
+    counts, _ = simulate(controller, outcome, rounds=60)
+    assert counts[PLAIN.name] > 45
+    phase["tree_tokens"] = 5  # the text starts repeating itself: trees are accepted deep
+    counts, rate = simulate(controller, outcome, rounds=100)
+    assert counts[FULL.name] > 80 and rate > 0.85 * 5 / 1.5
+
+
+def test_lookup_is_chosen_only_when_a_chain_is_ready():
+    controller = RoundController(choices_for(24, 4, 6, True, False))
+    counts, _ = simulate(controller, lambda c: (1, 1.0), rounds=50, lookup_ready=False)
+    assert LOOKUP.name not in counts
+
+
+def test_priors_from_earlier_calls_skip_the_first_measurements():
+    controller = RoundController([FULL, PLAIN], cost_priors={FULL.name: 2.0, PLAIN.name: 1.0},
+                                 token_priors={FULL.name: 3.0})
+    assert controller.choose() == FULL  # 3 tokens / 2 s beats 1 / 1 s before any round ran
+    controller = RoundController([FULL, PLAIN], cost_priors={FULL.name: 2.0, PLAIN.name: 1.0},
+                                 token_priors={FULL.name: 1.2})
+    assert controller.choose() == PLAIN
+
+
+def test_costs_are_cached_on_disk_per_machine_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
+    assert adaptive.load_costs("k") == {}
+    adaptive.save_costs("k", {FULL.name: 0.02})
+    adaptive.save_costs("k", {PLAIN.name: 0.01})
+    adaptive.save_costs("other", {PLAIN.name: 0.5})
+    assert adaptive.load_costs("k") == {FULL.name: 0.02, PLAIN.name: 0.01}
+    (tmp_path / "round_costs.json").write_text("{not json")
+    assert adaptive.load_costs("k") == {}  # a damaged cache only costs the next call its first measurements
+    adaptive.save_costs("k", {PLAIN.name: 0.01})
+    assert json.loads((tmp_path / "round_costs.json").read_text()) == {"k": {PLAIN.name: 0.01}}
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def cycling(monkeypatch):
+    """Replace the controller's choice by a fixed cycle over every available choice, so that all kinds of rounds
+    (plain, lookup, small tree, full tree) follow each other in every order within a few rounds."""
+
+    step = itertools.count()  # one cycle across generate calls: each call starts at another choice
+
+    def choose(self, lookup_ready=True):
+        available = [c for c in self.choices if c.kind != "lookup" or lookup_ready]
+        return available[(next(step) * 7 // 3) % len(available)]
+
+    monkeypatch.setattr(RoundController, "choose", choose)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_is_exact_whatever_the_controller_chooses(arch, cache_dir, cycling):
+    target, draft = trained_pairs()(arch)
+    g = torch.Generator().manual_seed(5)
+    prompts = [random_prompt(g), torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])]
+    kinds_seen = set()
+    for prompt, cache, lookup in itertools.product(prompts, (None, "static"), (0, 3)):
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=30, repetition_penalty=1.2)
+        with tree_settings(draft, adaptive=True, total_tokens=12, depth=3, top_k=3, lookup_tokens=lookup):
+            got = target.generate(prompt, do_sample=False, max_new_tokens=30, repetition_penalty=1.2,
+                                  assistant_model=draft, cache_implementation=cache)
+        assert torch.equal(got, plain), (arch, prompt.tolist(), cache, lookup)
+        kinds = {name.split()[0] for name in draft.last_generation_stats.choice_counts}
+        assert {"plain", "tree"} <= kinds
+        kinds_seen |= kinds
+    assert "lookup" in kinds_seen
+
+
+def test_the_real_controller_is_exact_and_records_its_choices(cache_dir):
+    target, draft = trained_pairs()("llama")
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    kwargs = dict(do_sample=False, max_new_tokens=40, total_tokens=12, depth=3, top_k=3, lookup_tokens=3)
+    for _ in range(2):  # the second call starts from the costs the first one cached
+        got = target.generate(prompt, custom_generate=jakiro_generate, draft=draft, adaptive=True, **kwargs)
+        assert torch.equal(got, plain)
+    stats = draft.last_generation_stats
+    assert stats.choices[0] == "prefill" and len(stats.choices) == stats.rounds
+    assert sum(stats.choice_counts.values()) == stats.rounds - 1
+    assert (cache_dir / "round_costs.json").is_file()
+    pinned = target.generate(prompt, custom_generate=jakiro_generate, draft=draft, adaptive=False, **kwargs)
+    assert torch.equal(pinned, plain)
+    assert set(draft.last_generation_stats.choice_counts) <= {"tree 12/3/3", "lookup"}
+
+
+def test_sampling_with_the_controller_keeps_the_target_distribution(cache_dir, cycling):
+    from test_sampling import target_and_draft
+
+    torch.manual_seed(0)
+    target, draft = target_and_draft.__wrapped__()
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.8)])
+    probs = exact_distribution(target, processors)
+    settings = TreeSettings.resolve(draft, total_tokens=10, depth=2, top_k=3, adaptive=True)
+    counts = sample_counts(target, draft, processors, 4000, PROMPT, settings)
+    assert chi_square_p_value(counts, probs) > 1e-4
+    assert sample_counts.multi_token_rounds > 500  # tree rounds among the cycled ones were accepted
