@@ -16,6 +16,8 @@ A seed draws one configuration from the whole settings space (see `sample_settin
   * entry point: `assistant_model=draft` under `tree_settings(...)`, the same with lookup asked for through
     `prompt_lookup_num_tokens`, or `custom_generate=jakiro_generate, draft=draft, total_tokens=...` (lookup_chains and
     lookup_max_ngram, which are not keyword arguments of `jakiro_generate`, go through `tree_settings`);
+  * round controller (`adaptive`): the default (on), on, or off (the configured tree every round); when on, each
+    round's choice (a plain step, lookup alone, a smaller tree, the tree) follows measured timings;
   * draft: the quickly fitted draft of `tiny_models.quick_trained_draft` (accepted several tokens deep), an untrained
     random one, or the fitted one with a pathology patched onto its `compute_logits` (what both the dynamic and the
     static draft paths call): NaN, +inf, -inf or 1e30 written over some rows (whole rows, or a few entries of a row);
@@ -24,10 +26,13 @@ A seed draws one configuration from the whole settings space (see `sample_settin
     draft's: for a fitted draft, tokens the target is also very unlikely to pick).
 
 Whatever the draft proposes, greedy output must equal plain greedy `generate` with the same processors and stopping
-rule. For drafts whose proposals do not depend on call shapes (fitted, untrained, adversarial), a static cache or
-fixed-shape trees must also leave the trees unchanged: the accepted lengths are compared with a dynamic, unpadded
-Jakiro run of the same settings. A failure prints the seed, the settings dict (prompt and token ids included) and the
-first differing position, and `JAKIRO_DIFF_SEEDS=<seed>` reruns exactly that case.
+rule. With the round controller off and a draft whose proposals do not depend on call shapes (fitted, untrained,
+adversarial), a static cache or fixed-shape trees must also leave the trees unchanged: the accepted lengths are
+compared with a dynamic, unpadded Jakiro run of the same settings. A failure prints the seed, the settings dict
+(prompt and token ids included) and the first differing position, and `JAKIRO_DIFF_SEEDS=<seed>` reruns that case
+(exactly so with `adaptive` False; with the controller on, its timing-driven choices may differ from run to run).
+Round costs are cached in a temporary $JAKIRO_CACHE for the module, and each case starts without the token priors
+the controller keeps on a draft.
 
 Runs:
   * CI (default, part of the suite): `pytest tests/test_differential.py`: a fixed list of seeds (`CI_SEEDS`), one
@@ -85,6 +90,21 @@ def models():
     return Models()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _private_round_costs(tmp_path_factory):
+    """The round controller caches measured round costs under $JAKIRO_CACHE: a fresh directory for this module, so
+    that the user's cache neither steers these runs nor receives their timings."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAKIRO_CACHE", str(tmp_path_factory.mktemp("jakiro_cache")))
+        yield
+
+
+def forget_rounds(draft) -> None:
+    """Drop the tokens-per-round priors the round controller keeps on a draft from its earlier generate calls, so
+    that a case does not depend on the cases before it (its round costs still do: they are measured)."""
+    vars(draft).pop("_jakiro_round_tokens", None)
+
+
 # -- the settings space -----------------------------------------------------------------------------------------------
 def sample_settings(seed: int) -> dict:
     """Everything about a case that does not need the model; token-level details are added by `concrete_case`."""
@@ -112,6 +132,7 @@ def sample_settings(seed: int) -> dict:
         rows=rng.choice([0.1, 0.3, 1.0]),  # value pathologies: the share of rows hit
         whole_rows=rng.choice([True, False]),  # value pathologies: a whole row, or ~5% of its entries
         short_prompt=rng.random() < 0.15,  # a prompt of 1 or 2 tokens (the draft's first read is that short)
+        adaptive=rng.choice([None, True, False]),  # the round controller (None: the draft's default, on)
     )
     return s
 
@@ -223,7 +244,8 @@ def run_jakiro(target, draft, case, cache=None, fixed_shape="case"):
     if cache == "static":
         kwargs["cache_implementation"] = "static"
     tree = dict(total_tokens=case["total_tokens"], depth=case["depth"], top_k=case["top_k"],
-                contrastive=case["contrastive"], lookup_tokens=case["lookup_tokens"], fixed_shape=fixed_shape)
+                contrastive=case["contrastive"], lookup_tokens=case["lookup_tokens"], fixed_shape=fixed_shape,
+                adaptive=case["adaptive"])
     extra = dict(lookup_chains=case["lookup_chains"], lookup_max_ngram=case["lookup_max_ngram"])
     spoil = pathological_logits(case["draft"], case["seed"], case["rows"], case["whole_rows"])
     inputs = inputs_of(case["prompt"], case["padding"])
@@ -256,6 +278,7 @@ def check_case(seed: int, models) -> str | None:
     s = sample_settings(seed)
     target, trained, untrained = models(s["arch"])
     draft = untrained if s["draft"] == "untrained" else trained
+    forget_rounds(draft)
     case = concrete_case(s, target)
     start = case["padding"] + len(case["prompt"])
     inputs = inputs_of(case["prompt"], case["padding"])
@@ -267,7 +290,8 @@ def check_case(seed: int, models) -> str | None:
     if not torch.equal(got, expected):
         return f"MISMATCH: {first_difference(got, expected, start)}\n  {describe(case)}"
     stats = draft.last_generation_stats
-    if s["draft"] in SHAPE_INVARIANT_DRAFTS and (case["cache"] == "static" or case["fixed_shape"]):
+    pinned = case["adaptive"] is False  # with the round controller on, each round's choice depends on timings
+    if pinned and s["draft"] in SHAPE_INVARIANT_DRAFTS and (case["cache"] == "static" or case["fixed_shape"]):
         accepted, lookup_accepted = list(stats.accepted_lengths), stats.lookup_accepted
         reference = run_jakiro(target, draft, case, cache="dynamic", fixed_shape=False)
         ref = draft.last_generation_stats
@@ -296,7 +320,9 @@ def test_the_ci_subset_covers_the_space():
                          ("eos", ["default", "mid", "two"]), ("padding", [0, 1, 3])]:
         assert {c[name] for c in cases} >= set(values), name
     assert any(c["lookup_tokens"] for c in cases) and any(c["max_new_tokens"] == 1 for c in cases)
-    assert any(c["short_prompt"] and c["cache"] == "static" and c["draft"] in SHAPE_INVARIANT_DRAFTS for c in cases)
+    assert any(c["short_prompt"] and c["cache"] == "static" and c["draft"] in SHAPE_INVARIANT_DRAFTS
+               and c["adaptive"] is False for c in cases)
+    assert {c["adaptive"] for c in cases} == {None, True, False}
     assert any(c["cache"] == "static" and c["lookup_tokens"] and c["padding"] for c in cases)
 
 
@@ -327,7 +353,8 @@ def assert_lossless(target, draft, prompt, spoil=None, entry="assistant_model", 
     expected = target.generate(**inputs, do_sample=False, **kwargs)
     route = dict(assistant_model=draft) if entry == "assistant_model" else dict(
         custom_generate=jakiro_generate, draft=draft)
-    with patched(draft, spoil), tree_settings(draft, total_tokens=24, depth=4, top_k=6, lookup_tokens=lookup_tokens):
+    pinned = dict(total_tokens=24, depth=4, top_k=6, lookup_tokens=lookup_tokens, adaptive=False)
+    with patched(draft, spoil), tree_settings(draft, **pinned):
         got = target.generate(**inputs, do_sample=False, **route, **kwargs)
     assert torch.equal(got, expected), f"{label}: {first_difference(got, expected, inputs['input_ids'].shape[1])}"
 
@@ -374,7 +401,7 @@ def test_static_draft_trees_match_dynamic_on_a_one_token_prompt(models, arch):
     for prompt in ([5], [44], [9, 33]):
         lengths = {}
         for cache in (None, "static"):
-            with tree_settings(draft, total_tokens=12, depth=3, top_k=3):
+            with tree_settings(draft, total_tokens=12, depth=3, top_k=3, adaptive=False):
                 out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, assistant_model=draft,
                                       cache_implementation=cache)
             assert torch.equal(out, target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30))
