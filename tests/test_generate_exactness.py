@@ -159,11 +159,11 @@ def test_target_without_logits_to_keep(pair):
 
 
 def test_readme_states_where_token_identical_holds():
-    """The promise of token-identical output is made in the README's first paragraph; it holds in float32, and the
-    same paragraph must say what happens in bf16/fp16 (near-ties)."""
+    """The README's Exactness section promises token-identical output in float32 and must say what happens in
+    bf16/fp16 (near-ties) and what is refused."""
     from pathlib import Path
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    intro = readme.split("```", 1)[0]
-    promise = intro[intro.index("token-identical") - 200 :]
-    assert "float32" in promise and "bfloat16" in promise and "near-tie" in promise
+    section = readme[readme.index("## Exactness") :].split("\n## ", 1)[0]
+    assert "token-identical" in section and "float32" in section and "bfloat16" in section
+    assert "near-tie" in section and "Refused" in section

@@ -268,13 +268,20 @@ def verify_tree(
         past = int(cache.get_seq_length())
     forward = target if forward is None else forward
     internal = tree.internal_nodes() if leaf_head is not None else None
+    if tree.num_nodes == 1 and not static:
+        # A plain step (the round controller's, or a lookup round that found no chain): the mask plain generate
+        # gives a one-token step, none or the 2D padding mask, so the target runs the same kernels as there.
+        mask = None
+        if padding:
+            mask = torch.ones(1, past + 1, dtype=torch.long, device=tree.tokens.device)
+            mask[:, :padding] = 0
+    else:
+        mask = tree.attention_mask(past, target.dtype, padding, kv_length=static_length(cache) if static else None)
     with TargetFeatures(target, feature_layers) as hidden:
         out = forward(
             input_ids=tree.tokens[None],
             position_ids=tree.position_ids(past - padding),
-            attention_mask=tree.attention_mask(
-                past, target.dtype, padding, kv_length=static_length(cache) if static else None
-            ),
+            attention_mask=mask,
             use_cache=True,
             **hidden.forward_kwargs(),
             **({} if internal is None else {"logits_to_keep": internal}),

@@ -295,6 +295,8 @@ class JakiroCandidateGenerator:
             self._features_unread = True
             if kind == "plain" or not chains:
                 return DraftTree.root_only(root)
+            if choice is not None:  # lookup chosen alone: whole chains, as prompt lookup proposes them
+                chains = self.lookup.chains(self.settings.lookup_tokens, self.settings.lookup_chains) or chains
             self._proposed = max(len(chain) for chain in chains)
             return graft_chains(DraftTree.root_only(root), chains)
         if chains:

@@ -13,9 +13,13 @@ import torch
 from ..generation import tree_settings
 from ..stats import acceptance_profile
 
-METHODS = ("plain", "jakiro", "jakiro_lookup", "eagle2", "assisted", "prompt_lookup")
+METHODS = ("plain", "jakiro", "jakiro_lookup", "jakiro_fixed", "jakiro_lookup_fixed", "eagle2", "assisted",
+           "prompt_lookup")
 # jakiro and eagle2 run the draft tree alone (n-gram lookup off); jakiro_lookup adds lookup chains (hybrid tree).
-TREE_METHODS = ("jakiro", "jakiro_lookup", "eagle2")
+# jakiro and jakiro_lookup let the round controller choose every round (adaptive.py, the default); the _fixed
+# variants and eagle2 (an ablation of the tree itself) verify the configured tree every round.
+TREE_METHODS = ("jakiro", "jakiro_lookup", "jakiro_fixed", "jakiro_lookup_fixed", "eagle2")
+ADAPTIVE_METHODS = ("jakiro", "jakiro_lookup")
 PROMPT_LOOKUP_NUM_TOKENS = 10
 LOOKUP_TOKENS = 10  # jakiro_lookup's chain budget when neither --tune nor the head chose one
 
@@ -102,10 +106,11 @@ def generate_once(target, inputs, method, draft, assistant, sampling, settings) 
     overrides = dict(settings or {})
     if method == "eagle2":
         overrides["contrastive"] = False
-    if method in ("jakiro", "eagle2"):
+    if method in ("jakiro", "jakiro_fixed", "eagle2"):
         overrides["lookup_tokens"] = 0
-    elif method == "jakiro_lookup":
+    elif method in ("jakiro_lookup", "jakiro_lookup_fixed"):
         overrides["lookup_tokens"] = _lookup_budget(overrides, draft)
+    overrides.setdefault("adaptive", method in ADAPTIVE_METHODS)
     _sync(device)
     start = time.perf_counter()
     if method in TREE_METHODS:
@@ -121,7 +126,7 @@ def generate_once(target, inputs, method, draft, assistant, sampling, settings) 
         stats = draft.last_generation_stats
         record.update(rounds=stats.rounds, accepted_lengths=list(stats.accepted_lengths),
                       draft_time_s=stats.draft_time_s, verify_time_s=stats.verify_time_s,
-                      lookup_accepted=stats.lookup_accepted,
+                      lookup_accepted=stats.lookup_accepted, choice_counts=dict(stats.choice_counts),
                       in_draft_vocab=int(draft.in_vocabulary(new).sum()))
     return record
 
@@ -140,7 +145,14 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
             lookup = sum(s.get("lookup_accepted", 0) for s in mine)
             levels = max((len(s["accepted_lengths"]) and max(s["accepted_lengths"]) for s in mine
                           if "accepted_lengths" in s), default=1) - 1
+            mix = {}
+            for s in mine:
+                for name, count in s.get("choice_counts", {}).items():
+                    mix[name] = mix.get(name, 0) + count
             per_method[method] = dict(
+                # what the rounds verified: a share per choice (plain, lookup, tree T/D/K), prefill rounds left out
+                choice_mix={name: round(count / sum(mix.values()), 4) for name, count in sorted(mix.items())}
+                if mix else None,
                 temperature=temperature,
                 suite=suite,
                 method=method,
@@ -149,7 +161,7 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
                 time_s=round(seconds, 4),
                 tokens_per_s=tokens / seconds if seconds else 0.0,
                 tau=tokens / rounds if method in TREE_METHODS and rounds else None,
-                lookup_share=lookup / tokens if method == "jakiro_lookup" and tokens else None,
+                lookup_share=lookup / tokens if method in ("jakiro_lookup", "jakiro_lookup_fixed") and tokens else None,
                 # the share of draft-verify rounds (prefill and each generation's last round left out) that accepted
                 # at least d draft tokens, d = 1.. the deepest acceptance seen
                 acceptance_at_depth=[round(x, 4) for x in acceptance_profile(
@@ -177,5 +189,5 @@ def summarize(samples: list[dict], methods: Sequence[str], temperature: float) -
     return rows
 
 
-__all__ = ["LOOKUP_TOKENS", "METHODS", "PROMPT_LOOKUP_NUM_TOKENS", "TREE_METHODS", "PeakMemory", "generate_once",
+__all__ = ["ADAPTIVE_METHODS", "LOOKUP_TOKENS", "METHODS", "PROMPT_LOOKUP_NUM_TOKENS", "TREE_METHODS", "PeakMemory", "generate_once",
            "summarize"]

@@ -51,6 +51,13 @@ def markdown_table(result: dict) -> str:
                       + (f"; the draft vocabulary holds {r['vocab_coverage']:.1%} of the generated tokens"
                          if r.get("vocab_coverage") is not None else "")
                       for r in depth_rows]
+        mix_rows = [r for r in result["results"] if r["temperature"] == temperature and r.get("choice_mix")
+                    and r["method"] in ("jakiro", "jakiro_lookup")]
+        if mix_rows:
+            lines += ["", "What the round controller verified (share of rounds):", ""]
+            lines += [f"- {r['suite']} / {r['method']}: "
+                      + ", ".join(f"{name} {share:.0%}" for name, share in r["choice_mix"].items())
+                      for r in mix_rows]
     if "tune" in result:
         t = result["tune"]
         lines += ["", "## Tree tuning", "",

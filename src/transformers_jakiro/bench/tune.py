@@ -164,7 +164,7 @@ def tune(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 32
     levels = max(depths) + (1 if contrastive else 0)
     profiles = {}
     for n in sizes:
-        lengths = [generate_once(target, x, "jakiro", draft, None, sampling,
+        lengths = [generate_once(target, x, "jakiro_fixed", draft, None, sampling,
                                  {"total_tokens": n, "depth": max(depths)})["accepted_lengths"] for x in inputs]
         profiles[n] = acceptance_profile(lengths, levels)
         log(f"tune: total_tokens={n}: per-depth acceptance "
@@ -180,7 +180,7 @@ def tune(target, tokenizer, draft, prompts: list[dict], max_new_tokens: int = 32
         order = ["default", "chosen"] if i % 2 == 0 else ["chosen", "default"]
         for name in order:
             settings = {"total_tokens": default.total_tokens, "depth": default.depth} if name == "default" else chosen
-            runs[name].append(generate_once(target, x, "jakiro", draft, None, sampling, settings))
+            runs[name].append(generate_once(target, x, "jakiro_fixed", draft, None, sampling, settings))
     measured = {}
     for name, records in runs.items():
         tokens, seconds = sum(r["new_tokens"] for r in records), sum(r["time_s"] for r in records)
@@ -220,7 +220,7 @@ def tune_lookup(target, draft, inputs, sampling, tree: dict, budgets=TUNE_LOOKUP
     for i, x in enumerate(inputs):
         order = list(budgets[i % len(budgets):]) + list(budgets[: i % len(budgets)])
         for budget in order:
-            method = "jakiro_lookup" if budget else "jakiro"  # jakiro runs the draft tree alone
+            method = "jakiro_lookup_fixed" if budget else "jakiro_fixed"  # the tree every round, as tuned
             runs[budget].append(generate_once(target, x, method, draft, None, sampling, {**tree, "lookup_tokens": budget}))
     measured = {}
     for budget, records in runs.items():
