@@ -262,7 +262,8 @@ def test_chain_length_adapts_to_what_was_accepted():
     # "4 5 6" first continues with 30 31 ... in the prompt, but the target goes on 7 8 ...: the first chain is wrong.
     prompt = torch.tensor([[3, 4, 5, 6, 30, 31, 32, 33, 34, 35, 36, 37, 40, 3, 4, 5]])
     expected = target.generate(prompt, do_sample=False, max_new_tokens=60)
-    with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
+    # the pinned tree's own lookup policy (the round controller, on by default, chooses lookup rounds itself)
+    with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10, adaptive=False):
         got = target.generate(prompt, do_sample=False, max_new_tokens=60, assistant_model=draft)
     assert torch.equal(got, expected)
     lengths = draft.last_generation_stats.accepted_lengths
@@ -287,7 +288,7 @@ def test_rounds_after_a_whole_chain_skip_the_draft(monkeypatch):
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(draft, "forward", counted)
-    with tree_settings(draft, total_tokens=4, depth=1, top_k=2, lookup_tokens=10):
+    with tree_settings(draft, total_tokens=4, depth=1, top_k=2, lookup_tokens=10, adaptive=False):
         got = target.generate(prompt, do_sample=False, max_new_tokens=60, assistant_model=draft)
     assert torch.equal(got, expected)
     stats = draft.last_generation_stats
