@@ -7,6 +7,11 @@ CORES = torch.get_num_threads()
 
 
 def pytest_configure(config):
+    # The round controller caches round costs on disk; tests keep theirs in one file per run, not the user's cache.
+    import os
+    import tempfile
+
+    os.environ["JAKIRO_ROUND_COSTS"] = os.path.join(tempfile.mkdtemp(prefix="jakiro-round-costs-"), "round_costs.json")
     # Tiny models do many small ops: one thread avoids OpenMP overhead and contention on 2 cores (10-20x faster
     # here). Module-scoped fixtures that fit drafts run under this setting too.
     torch.set_num_threads(1)

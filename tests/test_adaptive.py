@@ -79,6 +79,7 @@ def test_priors_from_earlier_calls_skip_the_first_measurements():
 
 
 def test_costs_are_cached_on_disk_per_machine_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAKIRO_ROUND_COSTS")
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
     assert adaptive.load_costs("k") == {}
     adaptive.save_costs("k", {FULL.name: 0.02})
@@ -93,7 +94,7 @@ def test_costs_are_cached_on_disk_per_machine_key(tmp_path, monkeypatch):
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
+    monkeypatch.setenv("JAKIRO_ROUND_COSTS", str(tmp_path / "round_costs.json"))
     return tmp_path
 
 
