@@ -22,6 +22,11 @@ Four timings, each per decode step or round at a fixed context:
 Context length stays fixed: every timed step is undone before the next one. `--shape tiny --device cpu` runs the
 same code on a CPU (used by the test suite, with `--compile-backend eager`: dynamo traces the same full graphs
 without inductor's code generation, seconds instead of a minute); `--no-compile` leaves out the compiled pair.
+
+The pieces are separate functions for benchmarks/gpu/check.py, which times them at Llama-3-8B shape (`--shape
+llama3-8b` here) for several tree sizes: `build_pair` (random weights created on the device), `measure_plain_eager`,
+`measure_round_eager`, `measure_plain_compiled` and `measure_round_compiled` (one compiled forward and one static
+cache length, `static_cache_length`, shared by the plain step and every tree size).
 """
 
 import argparse
@@ -43,6 +48,9 @@ from transformers_jakiro.tree import DraftTree
 SHAPES = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+    # Llama-3-8B: grouped-query attention (8 KV heads), a 128256-token vocabulary, untied embeddings.
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048),
 }
@@ -63,33 +71,59 @@ def timed(fn, device, repeats: int, warmup: int) -> list[float]:
     return times
 
 
-@torch.no_grad()
-def measure(shape: str, device: str, dtype: torch.dtype, context: int, total_tokens: int, depth: int, top_k: int,
-            repeats: int, warmup: int, compiled: bool = True, backend: str = "inductor") -> dict:
+def build_pair(shape: str, device, dtype: torch.dtype, seed: int = 0):
+    """A random-weight Llama target of `shape` and a fresh Jakiro head for it, both created directly on `device` in
+    `dtype` (an 8B model built on a CPU first would take minutes to initialise and copy)."""
     device = torch.device(device)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with device:
         target = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[shape]), dtype=dtype, attn_implementation="sdpa")
-    target.eval()
-    draft = JakiroDraftModel.from_target(target).eval()
-    cache_kwarg = _cache_kwarg(target)
-    vocab = target.config.vocab_size
-    prompt = torch.randint(3, vocab, (1, context), device=device)
+        draft = JakiroDraftModel.from_target(target.eval()).eval()
+    return target, draft
 
+
+def _sync(device: torch.device):
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def random_prompt(target, context: int, batch: int = 1, seed: int = 0) -> torch.LongTensor:
+    device = target.get_input_embeddings().weight.device
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(3, target.config.vocab_size, (batch, context), generator=generator).to(device)
+
+
+@torch.no_grad()
+def measure_plain_eager(target, prompt, repeats: int, warmup: int) -> dict:
+    """One token through the target over a DynamicCache at a fixed context (every batch row one token)."""
+    cache_kwarg = _cache_kwarg(target)
+    context = prompt.shape[1]
     cache = new_target_cache(target.config)
-    out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_kwarg: cache})
+    out = target(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
     first = out.logits[:, -1].argmax(-1, keepdim=True)
-    sequence = torch.cat([prompt, first], dim=1)
-    features = out.hidden_states[-1][0]
+    del out
 
     def plain_step():
         target(input_ids=first, use_cache=True, logits_to_keep=1, **{cache_kwarg: cache}).logits.argmax(-1).tolist()
         truncate(cache, context)
 
-    settings = TreeSettings(total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=True)
+    times = timed(plain_step, prompt.device, repeats, warmup)
+    return {"plain_step_ms": round(statistics.median(times), 3), "batch": prompt.shape[0]}
+
+
+@torch.no_grad()
+def measure_round_eager(target, draft, settings: TreeSettings, prompt, repeats: int, warmup: int) -> dict:
+    """What `generate(..., assistant_model=draft)` does per iteration, at a fixed context (see the module doc)."""
+    device = prompt.device
+    cache_kwarg = _cache_kwarg(target)
+    context = prompt.shape[1]
+    cache = new_target_cache(target.config)
+    out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_kwarg: cache})
+    sequence = torch.cat([prompt, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    features = out.hidden_states[-1][0]
+    del out
     candidates = JakiroCandidateGenerator(draft, settings)
     parts = {"draft": [], "verify": []}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _sync(device)
 
     # Steady state: the draft cache holds the context; each round extends it by the one newly accepted position
     # (the bonus token of the previous round) before expanding the tree.
@@ -111,17 +145,32 @@ def measure(shape: str, device: str, dtype: torch.dtype, context: int, total_tok
         parts["verify"].append(1000 * (time.perf_counter() - middle))
         truncate(cache, context)  # undo: same context length for the next round
 
-    plain = timed(plain_step, device, repeats, warmup)
     rounds = timed(jakiro_round, device, repeats, warmup)
     median = statistics.median
+    return {
+        "tree": {"total_tokens": settings.total_tokens, "depth": settings.depth, "top_k": settings.top_k,
+                 "levels": settings.depth + 1},
+        "jakiro_round_ms": round(median(rounds), 3),
+        "draft_ms": round(median(parts["draft"][warmup:]), 3), "verify_ms": round(median(parts["verify"][warmup:]), 3),
+    }
+
+
+@torch.no_grad()
+def measure(shape: str, device: str, dtype: torch.dtype, context: int, total_tokens: int, depth: int, top_k: int,
+            repeats: int, warmup: int, compiled: bool = True, backend: str = "inductor") -> dict:
+    device = torch.device(device)
+    target, draft = build_pair(shape, device, dtype)
+    prompt = random_prompt(target, context)
+    settings = TreeSettings(total_tokens=total_tokens, depth=depth, top_k=top_k, contrastive=True)
+    plain = measure_plain_eager(target, prompt, repeats, warmup)
+    rounds = measure_round_eager(target, draft, settings, prompt, repeats, warmup)
     if compiled:
         compiled_times = measure_compiled(target, draft, settings, prompt, repeats, warmup, backend)
     result = {
         "shape": shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.platform(),
-        "dtype": str(dtype).replace("torch.", ""), "context": context,
-        "tree": {"total_tokens": total_tokens, "depth": depth, "top_k": top_k, "levels": depth + 1},
-        "plain_step_ms": round(median(plain), 3), "jakiro_round_ms": round(median(rounds), 3),
-        "draft_ms": round(median(parts["draft"][warmup:]), 3), "verify_ms": round(median(parts["verify"][warmup:]), 3),
+        "dtype": str(dtype).replace("torch.", ""), "context": context, "tree": rounds["tree"],
+        "plain_step_ms": plain["plain_step_ms"], "jakiro_round_ms": rounds["jakiro_round_ms"],
+        "draft_ms": rounds["draft_ms"], "verify_ms": rounds["verify_ms"],
         "repeats": repeats, "torch": torch.__version__, "transformers": transformers.__version__,
     }
     result["round_over_plain"] = round(result["jakiro_round_ms"] / result["plain_step_ms"], 3)
@@ -144,35 +193,56 @@ def compile_config(device: torch.device, backend: str = "inductor") -> CompileCo
     return config
 
 
-def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int, warmup: int,
-                     backend: str = "inductor") -> dict:
-    """Plain step and Jakiro round over StaticCaches through the target's compiled forward (see the module doc)."""
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a recompilation adds one)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def static_cache_length(context: int, settings: list[TreeSettings]) -> int:
+    """One static length for the plain cache and every tree's cache: one mask width, so the plain step compiles once
+    and each tree size adds only its own verify graph."""
+    return context + max(s.max_nodes for s in settings) + 8
+
+
+@torch.no_grad()
+def measure_plain_compiled(target, prompt, forward, length: int, repeats: int, warmup: int) -> dict:
+    """Plain: the prefill eager (as generate does), then one token per step through the compiled forward."""
     device = prompt.device
     context = prompt.shape[1]
     cache_kwarg = _cache_kwarg(target)
-    config = compile_config(device, backend)
-    forward = target.get_compiled_call(config)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    length = context + settings.max_nodes + 8  # both caches alike: one mask width
-
-    # Plain: the prefill eager (as generate does), then one token per step through the compiled forward.
+    sync = _sync(device)
     plain_cache = new_target_cache(target.config, static_length=length)
     out = target(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg: plain_cache})
     first = out.logits[:, -1].argmax(-1, keepdim=True)
-    position = torch.tensor([[context]], device=device)
+    del out
+    position = torch.full((prompt.shape[0], 1), context, device=device)
 
     def plain_step():
         forward(input_ids=first, position_ids=position, use_cache=True, logits_to_keep=1,
                 **{cache_kwarg: plain_cache}).logits.argmax(-1).tolist()
         truncate(plain_cache, context)
 
+    graphs = _graphs()
     start = time.perf_counter()
     plain_step()
     sync()
-    plain_compile_s = time.perf_counter() - start
+    compile_s = time.perf_counter() - start
+    compiled = _graphs()
     plain = timed(plain_step, device, repeats, warmup)
-    del plain_cache
+    return {"plain_compiled_step_ms": round(statistics.median(plain), 3), "compile_s": round(compile_s, 1),
+            "graphs_compiled": compiled - graphs, "graphs_while_timing": _graphs() - compiled}
 
+
+@torch.no_grad()
+def measure_round_compiled(target, draft, settings: TreeSettings, prompt, forward, config: CompileConfig, length: int,
+                           repeats: int, warmup: int) -> dict:
+    """The Jakiro round as `generate(..., assistant_model=draft, cache_implementation="static")` runs it."""
+    device = prompt.device
+    context = prompt.shape[1]
+    cache_kwarg = _cache_kwarg(target)
+    sync = _sync(device)
     cache = new_target_cache(target.config, static_length=length)
     out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1,
                  **{cache_kwarg: cache})
@@ -203,17 +273,38 @@ def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int
         parts["verify"].append(1000 * (time.perf_counter() - middle))
         truncate(cache, context)
 
+    graphs = _graphs()
     start = time.perf_counter()
     jakiro_round()
     sync()
-    round_compile_s = time.perf_counter() - start
+    compile_s = time.perf_counter() - start
+    compiled = _graphs()
     rounds = timed(jakiro_round, device, repeats, warmup)
     return {
-        "plain_compiled_step_ms": round(statistics.median(plain), 3),
         "jakiro_compiled_round_ms": round(statistics.median(rounds), 3),
+        "graphs_compiled": compiled - graphs,
+        "graphs_while_timing": _graphs() - compiled,  # recompilations: 0 expected
         "draft_compiled_ms": round(statistics.median(parts["draft"][warmup + 1 :]), 3),
         "verify_compiled_ms": round(statistics.median(parts["verify"][warmup + 1 :]), 3),
-        "compile_s": {"plain": round(plain_compile_s, 1), "jakiro": round(round_compile_s, 1)},
+        "compile_s": round(compile_s, 1),
+        "verified_nodes": settings.max_nodes,
+    }
+
+
+def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int, warmup: int,
+                     backend: str = "inductor") -> dict:
+    """Plain step and Jakiro round over StaticCaches through the target's compiled forward (see the module doc)."""
+    config = compile_config(prompt.device, backend)
+    forward = target.get_compiled_call(config)
+    length = static_cache_length(prompt.shape[1], [settings])  # both caches alike: one mask width
+    plain = measure_plain_compiled(target, prompt, forward, length, repeats, warmup)
+    rounds = measure_round_compiled(target, draft, settings, prompt, forward, config, length, repeats, warmup)
+    return {
+        "plain_compiled_step_ms": plain["plain_compiled_step_ms"],
+        "jakiro_compiled_round_ms": rounds["jakiro_compiled_round_ms"],
+        "draft_compiled_ms": rounds["draft_compiled_ms"],
+        "verify_compiled_ms": rounds["verify_compiled_ms"],
+        "compile_s": {"plain": plain["compile_s"], "jakiro": rounds["compile_s"]},
         "static_cache_length": length,
         "compile_backend": backend,
         "verified_nodes": settings.max_nodes,
@@ -233,7 +324,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="time the eager pair only")
     parser.add_argument("--compile-backend", default="inductor",
-                        help="torch.compile backend of the compiled pair (the CPU test uses 'eager': same code, no codegen)")
+                        help="torch.compile backend of the compiled pair (the CPU test uses 'eager': same code, "
+                        "no codegen)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     started = time.perf_counter()
