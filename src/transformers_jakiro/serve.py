@@ -1,0 +1,582 @@
+"""`jakiro serve`: transformers' own OpenAI-compatible server (`transformers serve`) with the Jakiro draft attached.
+
+    jakiro serve --target smollm2-135m-instruct --draft heads/jakiro-smollm2-135m-instruct --port 8000
+    jakiro serve --target smollm2-135m-instruct --draft none           # the same server, plain decoding
+
+Route, and why it is this one
+-----------------------------
+Nothing here is a web server. The draft rides on a hook that `from_pretrained` has in every release of our range
+(5.17 to 5.24, `GenerationMixin.adjust_generation_fn`): a model repository holding `custom_generate/generate.py`,
+loaded with `trust_remote_code=True`, gets that file's `generate` as its `model.generate`. `transformers serve` loads
+its model with `from_pretrained` (`--trust-remote-code` is passed through) and answers every chat completion with
+`model.generate(**inputs, streamer=..., generation_config=..., tokenizer=...)` on one inference thread per model
+(`GenerateManager` / `InferenceThread`: a FIFO queue, one generate at a time in arrival order, in 5.17 and 5.24
+alike). So `prepare` writes a model repository whose `custom_generate/generate.py` is a five-line shim calling
+`serve_generate` below, which runs the target's own `generate` with `custom_generate=jakiro_generate, draft=<head>`.
+Everything the server does around generate -- chat template, `max_tokens`, `temperature`, `top_p`, `seed`, `stop`
+(`stop_strings` + the tokenizer), streaming through its `DirectStreamer`, usage counts, cancelling a generate whose
+client went away (the streamer's `put` raises), `/v1/models` -- is transformers' code, unchanged.
+
+The other routes were thicker or less stable: the server has no draft option, its `ModelManager`/handler classes are
+internal and changed between 5.17 and 5.24 (local paths, `/v1/models`, new handlers), and a web framework of our own
+would duplicate all of the above.
+
+The prepared repository is laid out as a Hugging Face cache (`<cache>/serve/<key>/hub/models--jakiro--<name>`,
+its weight files symlinks to the plain copy that `targets.load_target` keeps, so nothing is copied), and the server
+runs with `HF_HUB_CACHE` pointing there and `HF_HUB_OFFLINE=1`. transformers' server cannot load our GGUF-dequantized
+targets from their GGUF (they come from PyPI packages, not the Hub), and a cache layout instead of a plain folder
+gives the model a short name (`jakiro/smollm2-135m-instruct`) that `/v1/models` lists in 5.17 too (5.17 lists only
+cached repositories; 5.24 lists a pinned model by the name it was given), and that clients send as `model`. It also
+guarantees that nothing is downloaded. The same repository serves under plain `transformers serve`:
+`jakiro serve ... --print-command` prints that command (environment included).
+
+What `jakiro serve` adds around transformers' server (a wrapper of the ASGI app that `build_server` returns, applied
+only if transformers still has that function; without it the server runs unwrapped):
+
+* sampling when a request asks for it: `temperature` > 0 or `top_p` < 1 samples (OpenAI's meaning) even where the
+  model's generation config does not sample (`RequestChecks.sampling_config`); transformers alone answers greedily.
+* request checks that transformers does not make, answered with an OpenAI-style 400 before generation starts, for
+  streamed requests too: `max_tokens`/`max_completion_tokens` not a positive integer, `temperature` < 0, `top_p`
+  outside (0, 1], `messages` not a list of messages, a prompt as long as the model's context or longer (or with
+  `max_tokens` past it). Malformed JSON (422), an unknown model (400) and unknown fields (422) are transformers' own.
+* one log line per request from `serve_generate`: tokens, tau, rounds, draft and verify time, tokens/s; or that the
+  client went away and the generate was cancelled.
+* the draft loaded and one short generate run before the port opens, so the first request pays no set-up.
+* sampled requests decode with the head's pinned tree (`adaptive=False`): the round controller chooses trees from
+  measured times, which would make a seeded request's random draws, and so its answer, vary from run to run.
+
+Seeds are transformers' behaviour: the server calls `torch.manual_seed(seed)` when a request arrives, so a seeded
+request repeats its answer when it is not queued behind another generate (as with plain `transformers serve`).
+Batch size is 1: requests never share a generate, a cache or a draft state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SERVE_DIR = "serve"  # under targets.cache_root()
+SHIM_MARKER = "jakiro-serve-shim"
+SHIM = '''"""Jakiro tree speculative decoding for `transformers serve` ({marker}).
+
+Written by `jakiro serve` (transformers_jakiro.serve.prepare): the server loads this repository with
+--trust-remote-code, and transformers then makes this file's `generate` the model's `generate`."""
+
+SETTINGS = {settings}
+
+
+def generate(model, *args, **kwargs):
+    from transformers_jakiro.serve import serve_generate
+
+    return serve_generate(model, SETTINGS, *args, **kwargs)
+'''
+
+
+# ---------------------------------------------------------------- preparing the model repository
+
+
+def _plain_dir(target: str, cache_dir=None) -> tuple[Path, str]:
+    """(a plain transformers directory holding the target, a short name for it)."""
+    from .target_registry import REGISTRY
+    from .targets import META_FILE, _is_complete_cache, cache_root, load_target, sha256_file
+
+    path = Path(target).expanduser()
+    if target in REGISTRY:
+        plain = cache_root(cache_dir) / REGISTRY[target].cache_key
+        if not _is_complete_cache(plain):
+            load_target(target, dtype="float32", cache_dir=cache_dir)  # dequantizes the GGUF and writes the copy
+        return plain, target
+    if target.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        sha = sha256_file(path)
+        spec = next((s for s in REGISTRY.values() if s.sha256 == sha), None)
+        key = spec.cache_key if spec else f"{path.stem}-{sha[:12]}"
+        plain = cache_root(cache_dir) / key
+        if not _is_complete_cache(plain):
+            load_target(path, dtype="float32", cache_dir=cache_dir)
+        return plain, spec.name if spec else path.stem
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+        return path.resolve(), path.resolve().name
+    # A Hub id: loaded the usual way (from the Hugging Face cache or the Hub), saved once as a plain copy.
+    plain = cache_root(cache_dir) / SERVE_DIR / "weights" / target.replace("/", "--")
+    if not (plain / META_FILE).is_file():
+        model, tokenizer = load_target(target, dtype=None, cache_dir=cache_dir)
+        plain.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(plain)
+        tokenizer.save_pretrained(plain)
+        (plain / META_FILE).write_text(json.dumps({"name_or_path": target}) + "\n")
+    return plain, target.rsplit("/", 1)[-1]
+
+
+def _safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.") or "model"
+
+
+class Prepared:
+    """A model repository for transformers' server: `model_id` inside the Hugging Face cache `hub`, `env` the
+    environment the server needs to find it (offline), `trust_remote_code` whether the draft is attached."""
+
+    def __init__(self, root: Path, model_id: str, trust_remote_code: bool, settings: dict):
+        self.root = root
+        self.hub = root / "hub"
+        self.model_id = model_id
+        self.trust_remote_code = trust_remote_code
+        self.settings = settings
+
+    @property
+    def snapshot(self) -> Path:
+        repo = self.hub / ("models--" + self.model_id.replace("/", "--"))
+        return repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
+
+    @property
+    def env(self) -> dict:
+        return {"HF_HUB_CACHE": str(self.hub), "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(self.root / "modules")}
+
+    def command(self, host: str, port: int, dtype: str) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        trust = " --trust-remote-code" if self.trust_remote_code else ""
+        return f"{env} transformers serve {self.model_id}{trust} --dtype {dtype} --host {host} --port {port}"
+
+
+def prepare(target: str, draft: str | None, lookup_tokens: int | None = None, cache_dir=None) -> Prepared:
+    """Write (once) the model repository that `transformers serve` loads: the target's files (symlinks to its plain
+    copy) and, with a `draft` head directory, `custom_generate/generate.py` that decodes with it."""
+    from .targets import META_FILE, cache_root
+
+    plain, name = _plain_dir(target, cache_dir)
+    settings = {}
+    if draft is not None:
+        head = Path(draft).expanduser()
+        if not (head / "config.json").is_file():
+            raise FileNotFoundError(f"draft head directory not found: {head} (a folder with config.json; or --draft none)")
+        settings = {"draft": str(head.resolve())}
+        if lookup_tokens is not None:
+            settings["lookup_tokens"] = int(lookup_tokens)
+    model_id = f"jakiro/{_safe_name(name)}" if draft is not None else f"plain/{_safe_name(name)}"
+    key_text = json.dumps({"plain": str(plain.resolve()), "settings": settings, "id": model_id}, sort_keys=True)
+    key = hashlib.sha256(key_text.encode()).hexdigest()
+    root = cache_root(cache_dir) / SERVE_DIR / f"{_safe_name(name)}-{key[:12]}"
+    prepared = Prepared(root, model_id, draft is not None, settings)
+    repo = prepared.hub / ("models--" + model_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / key[:40]
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for item in plain.iterdir():
+        if item.is_file() and item.name != META_FILE and not item.name.startswith("."):
+            link = snapshot / item.name
+            if not link.is_symlink() or link.resolve() != item.resolve():
+                link.unlink(missing_ok=True)
+                link.symlink_to(item.resolve())
+    if draft is not None:
+        (snapshot / "custom_generate").mkdir(exist_ok=True)
+        shim = SHIM.format(marker=SHIM_MARKER, settings=json.dumps(settings, indent=4, sort_keys=True))
+        (snapshot / "custom_generate" / "generate.py").write_text(shim)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(key[:40])  # last: the repository is complete
+    return prepared
+
+
+# ---------------------------------------------------------------- decoding inside the server
+
+
+_DRAFTS: dict = {}  # (head, dtype, device, id(target)) -> the head bound to that target
+
+
+def draft_for(model, settings: dict):
+    """The Jakiro head of `settings["draft"]`, loaded once, in the dtype and on the device of the target's lm_head."""
+    from .modeling_jakiro import JakiroDraftModel
+
+    weight = model.get_output_embeddings().weight
+    key = (settings["draft"], weight.dtype, weight.device, id(model))
+    if key not in _DRAFTS:
+        start = time.perf_counter()
+        head = JakiroDraftModel.from_pretrained(settings["draft"]).to(device=weight.device, dtype=weight.dtype)
+        _DRAFTS[key] = head.bind_target(model).eval()
+        logger.info("jakiro: draft %s loaded (%s, %.1f s)", settings["draft"], weight.dtype, time.perf_counter() - start)
+    return _DRAFTS[key]
+
+
+def serve_generate(model, settings: dict, *args, **kwargs):
+    """What the server's `model.generate(...)` runs in a prepared repository: the target's own `generate` with the
+    Jakiro draft (`custom_generate=jakiro_generate`), and one log line with the request's statistics."""
+    from .decoding import jakiro_generate
+
+    draft = draft_for(model, settings)
+    extra = {k: settings[k] for k in ("lookup_tokens",) if k in settings}
+    config = kwargs.get("generation_config")
+    if getattr(config, "do_sample", False):
+        # The round controller picks each round's tree from measured times, so two runs of one seeded request could
+        # draw their random numbers over different trees: sampled requests use the head's pinned tree, and a seed
+        # repeats its answer (greedy answers are the target's whatever the trees, and keep the controller).
+        extra["adaptive"] = False
+    inputs = kwargs.get("input_ids")
+    prompt = int(inputs.shape[-1]) if inputs is not None else 0
+    draft.last_generation_stats = None
+    start = time.perf_counter()
+    try:
+        output = type(model).generate(model, *args, custom_generate=jakiro_generate, draft=draft, **extra, **kwargs)
+    except Exception as error:
+        what = "cancelled (the client went away)" if type(error).__name__ == "_GenerationCancelled" else repr(error)
+        logger.warning("jakiro request: prompt %d tokens, %s after %.2f s", prompt, what, time.perf_counter() - start)
+        raise
+    seconds = time.perf_counter() - start
+    stats = draft.last_generation_stats
+    if stats is not None:
+        logger.info(
+            "jakiro request: prompt %d, new %d tokens, tau %.2f, rounds %d, draft %.3f s, verify %.3f s, total %.3f s, "
+            "%.1f tokens/s, rounds by kind %s", prompt, stats.new_tokens, stats.mean_accepted_length, stats.rounds,
+            stats.draft_time_s, stats.verify_time_s, seconds, stats.new_tokens / seconds if seconds else 0.0,
+            json.dumps(stats.choice_counts))
+    return output
+
+
+# ---------------------------------------------------------------- request checks (ASGI wrapper)
+
+
+def _openai_error(message: str, param: str | None, status: int = 400) -> tuple[int, bytes]:
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+    return status, json.dumps(body).encode()
+
+
+class RequestChecks:
+    """An ASGI wrapper of transformers' app: answers the chat completion requests that transformers would fail on
+    in the middle of a generate (a 500, or an error event inside a 200 stream) with a 400 up front; passes every
+    other request through untouched."""
+
+    PATHS = ("/v1/chat/completions",)
+
+    def __init__(self, app, tokenizer, context: int | None, generation_config=None):
+        self.app = app
+        self.tokenizer = tokenizer
+        self.context = context
+        self.generation_config = generation_config  # the served model's, for `sampling_config`
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in self.PATHS:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away before sending its body
+                return await self.app(scope, _replay([message]), send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        problem = self.check(raw)
+        if isinstance(problem, bytes):  # the request, rewritten (`sampling_config`)
+            raw, problem = problem, None
+        if problem is not None:
+            status, body = problem
+            logger.warning("jakiro: rejected a request (%d): %s", status, json.loads(body)["error"]["message"])
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        return await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive),
+                              send)
+
+    def check(self, raw: bytes):
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return None  # malformed JSON: transformers' own 422
+        if not isinstance(body, dict):
+            return None
+        for param in ("max_tokens", "max_completion_tokens"):
+            value = body.get(param)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                return _openai_error(f"`{param}` must be a positive integer, got {value!r}.", param)
+        temperature = body.get("temperature")
+        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                                        or temperature < 0):
+            return _openai_error(f"`temperature` must be a number >= 0, got {temperature!r}.", "temperature")
+        top_p = body.get("top_p")
+        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                                  or not 0 < top_p <= 1):
+            return _openai_error(f"`top_p` must be a number in (0, 1], got {top_p!r}.", "top_p")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            return _openai_error("`messages` must be a non-empty list of messages, each an object with a `role`.",
+                                 "messages")
+        if self.context is None or self.tokenizer is None:
+            return None
+        try:
+            prompt = len(self._prompt_ids(messages, body.get("tools")))
+        except Exception:  # noqa: BLE001 -- let transformers report what it makes of such messages
+            return None
+        if prompt >= self.context:
+            return _openai_error(
+                f"The prompt is {prompt} tokens long, and this model's context is {self.context} tokens: shorten the "
+                "messages.", "messages")
+        wanted = body.get("max_completion_tokens") or body.get("max_tokens")
+        if wanted is not None and prompt + wanted > self.context:
+            return _openai_error(
+                f"This model's context is {self.context} tokens; the prompt is {prompt} tokens and max_tokens asks "
+                f"for {wanted} more ({prompt + wanted}). Lower max_tokens or shorten the messages.", "max_tokens")
+        sampled = self.sampling_config(body)
+        if sampled is not None:
+            return json.dumps({**body, "generation_config": sampled}).encode()
+        return None
+
+    def sampling_config(self, body: dict) -> str | None:
+        """OpenAI's meaning of `temperature` > 0 (or `top_p` < 1): sample. transformers' server only sets the request's
+        temperature and top_p on the model's generation config, so a model whose config does not sample (SmolLM2's,
+        Qwen2.5's GGUF-derived ones) would answer greedily; such a request gets the model's generation config with
+        `do_sample=True` as its `generation_config` (and the server's usual 1024-token default), on which the server
+        then sets temperature, top_p, max_tokens and stop as usual. Greedy requests are left untouched."""
+        config = self.generation_config
+        if config is None or body.get("generation_config") is not None or getattr(config, "do_sample", False):
+            return None
+        temperature, top_p = body.get("temperature"), body.get("top_p")
+        if not ((temperature is not None and temperature > 0) or (top_p is not None and top_p < 1)):
+            return None
+        values = {k: v for k, v in config.to_diff_dict().items() if k not in ("transformers_version", "_from_model_config")}
+        values["do_sample"] = True
+        if values.get("max_new_tokens") is None or values["max_new_tokens"] < 1024:
+            values["max_new_tokens"] = 1024  # what the server gives a request without max_tokens
+        return json.dumps(values)
+
+    def _prompt_ids(self, messages, tools):
+        flat = []
+        for message in messages:
+            content = message.get("content") or ""
+            if isinstance(content, list):
+                content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+            flat.append({**message, "content": content})
+        ids = self.tokenizer.apply_chat_template(flat, tools=tools, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return ids
+
+
+def _replay(messages, receive=None):
+    queue = list(messages)
+
+    async def replayed():
+        if queue:
+            return queue.pop(0)
+        if receive is not None:
+            return await receive()  # after the body: wait for the disconnect, as the server would
+        return {"type": "http.disconnect"}
+
+    return replayed
+
+
+# ---------------------------------------------------------------- the server process
+
+
+def _loaded_model(model_manager):
+    """The model transformers' ModelManager preloaded (`force_model`), or None where that is not visible."""
+    for timed in list(getattr(model_manager, "loaded_models", {}).values()):
+        model = getattr(timed, "model", None)
+        if model is not None:
+            return model
+    return None
+
+
+def _warm_up(model, tokenizer) -> None:
+    """One short generate through the model's (possibly Jakiro) `generate`, before the port opens."""
+    import torch
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True, return_tensors="pt")
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids["input_ids"].to(model.device), attention_mask=ids["attention_mask"].to(model.device),
+                       max_new_tokens=8, do_sample=False)
+    logger.info("jakiro: warm-up generate %.1f s", time.perf_counter() - start)
+
+
+def _server_main(config: dict) -> int:
+    """Run transformers' server (`transformers.cli.serve.Serve`) on the prepared repository, in this process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger(__name__).setLevel(logging.INFO)
+    import torch
+
+    if config.get("threads"):
+        torch.set_num_threads(int(config["threads"]))
+    import transformers_jakiro  # noqa: F401 -- registers the Jakiro classes and the generate hook
+    from transformers.cli import serve as tf_serve
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        raise SystemExit('jakiro serve needs transformers\' serving dependencies: pip install "transformers-jakiro[serving]"')
+    try:
+        from transformers.cli.serving import server as tf_server
+    except ImportError:
+        tf_server = None
+    original = getattr(tf_server, "build_server", None)
+    if original is not None:
+
+        def build_server(model_manager, *args, **kwargs):
+            app = original(model_manager, *args, **kwargs)
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config["model_id"])
+            model = _loaded_model(model_manager)
+            context = None
+            if model is not None:
+                text_config = model.config.get_text_config(decoder=True)
+                context = getattr(text_config, "max_position_embeddings", None)
+                _warm_up(model, tokenizer)
+            logger.warning("jakiro: serving %s (%s) on http://%s:%d/v1", config["model_id"],
+                           "Jakiro draft " + config["settings"]["draft"] if config["settings"] else "no draft",
+                           config["host"], config["port"])
+            return RequestChecks(app, tokenizer, context, getattr(model, "generation_config", None))
+
+        tf_server.build_server = build_server
+    else:
+        logger.warning("jakiro: transformers.cli.serving.server.build_server not found; serving without request checks")
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again under the handlers it found:
+    # these make that a normal exit (status 0) instead of a death by signal.
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    tf_serve.Serve(force_model=config["model_id"], trust_remote_code=config["trust_remote_code"], dtype=config["dtype"],
+                   host=config["host"], port=int(config["port"]), log_level=config.get("log_level", "warning"),
+                   device=config.get("device", "auto"))
+    return 0
+
+
+def _resolve_dtype(dtype: str) -> str:
+    if dtype == "auto":
+        from .demo import default_dtype
+
+        return default_dtype()
+    return dtype
+
+
+def run(args) -> int:
+    """`jakiro serve`: prepare the repository, then replace this process with transformers' server on it."""
+    from .demo import find_head
+
+    draft = args.draft
+    if draft is None:
+        head = find_head(args.target)
+        if head is None:
+            raise FileNotFoundError(f"no shipped Jakiro head for {args.target!r} under heads/: pass --draft <head dir> "
+                                    "(or --draft none to serve without a draft)")
+        draft = str(head)
+    elif draft.lower() == "none":
+        draft = None
+    elif not Path(draft).expanduser().is_dir():
+        raise FileNotFoundError(f"draft head directory not found: {draft} (Hub ids: download the head first, e.g. "
+                                "`hf download <id> --local-dir DIR`; or --draft none)")
+    dtype = _resolve_dtype(args.dtype)
+    prepared = prepare(args.target, draft, lookup_tokens=args.lookup_tokens)
+    if args.print_command:
+        print(prepared.command(args.host, args.port, dtype))
+        return 0
+    config = {"model_id": prepared.model_id, "trust_remote_code": prepared.trust_remote_code, "dtype": dtype,
+              "host": args.host, "port": args.port, "threads": args.threads, "settings": prepared.settings,
+              "log_level": args.log_level, "device": args.device}
+    print(f"jakiro serve: {prepared.model_id} on http://{args.host}:{args.port}/v1 (plain equivalent: "
+          f"{prepared.command(args.host, args.port, dtype)})", file=sys.stderr, flush=True)
+    # A fresh interpreter: the Hugging Face cache location and offline mode are read when huggingface_hub is imported.
+    env = {**os.environ, **prepared.env}
+    argv = [sys.executable, "-m", "transformers_jakiro.serve", json.dumps(config)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)
+    return 0  # not reached
+
+
+class ServerProcess:
+    """`jakiro serve` in a child process on 127.0.0.1 and a free port (tests, benchmarks): `wait_ready()` polls
+    `/health` until the port answers, `stop()` sends SIGTERM and returns the exit status; `log()` is its stderr."""
+
+    def __init__(self, target: str, draft: str | None, dtype: str = "float32", threads: int | None = None,
+                 extra: list[str] | None = None, log_path: str | os.PathLike | None = None, env: dict | None = None):
+        import socket
+        import subprocess
+        import tempfile
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "transformers_jakiro.cli", "serve", "--target", target,
+                "--draft", draft or "none", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(self.port)]
+        if threads:
+            argv += ["--threads", str(threads)]
+        self.log_path = Path(log_path or tempfile.mkstemp(prefix="jakiro-serve-", suffix=".log")[1])
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(argv + list(extra or []), stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"jakiro serve exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"jakiro serve did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+        return self.process.returncode
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="transformers' OpenAI-compatible server (transformers serve) with the Jakiro draft attached")
+    parser.add_argument("--target", default="smollm2-135m-instruct",
+                        help="registry name, model directory, Hub id or .gguf file (default smollm2-135m-instruct)")
+    parser.add_argument("--draft", default=None,
+                        help="Jakiro head directory (default: the shipped heads/jakiro-<target>), or 'none' (plain)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: bfloat16 on GPUs and CPUs with native bf16, else float32")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--lookup-tokens", type=int, default=None,
+                        help="n-gram lookup tokens per round (default: the head's config)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--device", default="auto", help="transformers serve --device (auto, cpu, cuda:0, ...)")
+    parser.add_argument("--log-level", default="warning", help="transformers' log level in the server")
+    parser.add_argument("--print-command", action="store_true",
+                        help="prepare, print the equivalent plain `transformers serve` command, and exit")
+    parser.set_defaults(func=run)
+
+
+__all__ = ["Prepared", "RequestChecks", "ServerProcess", "add_cli", "draft_for", "prepare", "run", "serve_generate"]
+
+
+if __name__ == "__main__":
+    # The server runs on the package's module, not on this `__main__` copy: the shim imports that one.
+    from transformers_jakiro.serve import _server_main as _main
+
+    sys.exit(_main(json.loads(sys.argv[1])))
