@@ -12,6 +12,7 @@ SUBCOMMAND_MODULES = [
     "transformers_jakiro.training.cli",
     "transformers_jakiro.bench.cli",
     "transformers_jakiro.demo",
+    "transformers_jakiro.serve",
 ]
 
 
