@@ -13,6 +13,7 @@ The Python entry point is `run_demo(target, tokenizer, draft, ...)`, which takes
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,9 +66,11 @@ class _Streamer(TextStreamer):
 
 
 def find_head(target: str = TARGET) -> Path | None:
-    """The trained head for `target` shipped with the repository (or under ./heads), if present."""
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
-        candidate = root / "heads" / f"jakiro-{target}"
+    """The trained head for `target` under `$JAKIRO_HEADS` or ./heads (the repository's shipped heads when run from a
+    checkout, as `make demo` does), if present."""
+    roots = [Path(os.environ["JAKIRO_HEADS"])] if os.environ.get("JAKIRO_HEADS") else []
+    for root in roots + [Path.cwd() / "heads"]:
+        candidate = root / f"jakiro-{target}"
         if (candidate / "config.json").is_file():
             return candidate
     return None
