@@ -103,6 +103,7 @@ class RoundController:
     choices: list[RoundChoice]
     token_priors: dict = field(default_factory=dict)
     cost_priors: dict = field(default_factory=dict)
+    key: str = ""  # the `machine_key` its costs are cached under
 
     def __post_init__(self):
         self.tokens = {c.name: RunningMean() for c in self.choices}
@@ -164,9 +165,7 @@ def controller_for(target, draft, settings, static: bool, fixed_shape: bool) -> 
     )
     key = machine_key(target, "static" if static else "dynamic")
     known = getattr(draft, "_jakiro_round_tokens", {})
-    controller = RoundController(choices, token_priors=dict(known), cost_priors=load_costs(key))
-    controller.key = key
-    return controller
+    return RoundController(choices, token_priors=dict(known), cost_priors=load_costs(key), key=key)
 
 
 def remember(controller: RoundController, draft) -> None:

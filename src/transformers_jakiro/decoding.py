@@ -367,7 +367,9 @@ def jakiro_decode(
     compiled = forward is not target
     candidates = _candidate_generator(target, draft, settings, cache, fixed_shape, compiled, generation_config)
 
-    def emit(tokens, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor, choice="prefill") -> bool:
+    def emit(
+        tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor, choice="prefill"
+    ) -> bool:
         """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends.
 
         Plain decoding checks the stopping criteria after every token, and an EOS or a stop string may sit inside an

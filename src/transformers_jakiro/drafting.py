@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
+from .adaptive import RoundChoice
 from .kv_cache import new_draft_cache, truncate
 from .lookup import NgramIndex
 from .modeling_jakiro import JakiroDraftModel
-from .adaptive import RoundChoice
 from .tree import DraftTree, TreeRecorder, graft_chains
 
 
@@ -62,7 +62,7 @@ class TreeSettings:
         for name in ("lookup_tokens", "lookup_max_ngram", "lookup_chains", "adaptive"):
             values[name] = getattr(config, name, getattr(cls, name))
         values.update(getattr(draft, "_tree_overrides", None) or {})
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        values.update(overrides)
         settings = cls(**values)
         for name in ("total_tokens", "depth", "top_k", "lookup_max_ngram", "lookup_chains"):
             if int(getattr(settings, name)) < 1:

@@ -97,7 +97,6 @@ def _validate_generation_mode(self, generation_mode, generation_config, generati
     checks run unchanged."""
     draft = generation_mode_kwargs.get("assistant_model")
     if _is_jakiro_draft(draft):
-        refuse_synced_gpus(generation_mode_kwargs.get("synced_gpus", False))
         draft.bind_target(self)
     return _STOCK_VALIDATE_GENERATION_MODE(
         self, generation_mode, generation_config, generation_mode_kwargs, *args, **kwargs
