@@ -14,10 +14,32 @@ def target_and_draft():
     return target, JakiroDraftModel.from_target(target)
 
 
-def test_batch_larger_than_one(target_and_draft):
+def test_batch_with_right_padding(target_and_draft):
     target, draft = target_and_draft
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=4, assistant_model=draft)
+    ids, mask = torch.tensor([[5, 6, 7], [8, 9, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with pytest.raises(ValueError, match="left padding only.*padding_side = 'left'"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
+
+
+def test_batch_with_a_static_cache(target_and_draft):
+    target, draft = target_and_draft
+    with pytest.raises(ValueError, match="batch \\(B > 1\\) does not support a static cache"):
+        target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=4, assistant_model=draft,
+                        cache_implementation="static")
+
+
+def test_batch_with_per_step_scores(target_and_draft):
+    target, draft = target_and_draft
+    with pytest.raises(ValueError, match="output_scores / output_logits"):
+        target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=4, assistant_model=draft,
+                        return_dict_in_generate=True, output_scores=True)
+
+
+def test_batch_with_several_return_sequences(target_and_draft):
+    target, draft = target_and_draft
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=4, assistant_model=draft,
+                        do_sample=True, num_return_sequences=2)
 
 
 def test_flash_attention_backend(target_and_draft, monkeypatch):

@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicCache
 
 from tiny_models import make_target, random_prompt, trained_pairs
 from transformers_jakiro import tree_settings, verification
-from transformers_jakiro.decoding import _cache_kwarg
+from transformers_jakiro.decoding import cache_kwarg
 from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.kv_cache import keep_accepted, new_target_cache, truncate
 from transformers_jakiro.tree import DraftTree, ancestor_matrix
@@ -66,7 +66,7 @@ def test_static_cache_is_returned_sized_for_the_tree_and_never_shrinks(pairs):
         assert int(cache.get_seq_length()) == out.sequences.shape[1] - 1
         # ... and its entries are right: continuing from it gives the logits of a fresh forward over the sequence.
         with torch.no_grad():
-            following = target(out.sequences[:, -1:], **{_cache_kwarg(target): cache}).logits[0, -1]
+            following = target(out.sequences[:, -1:], **{cache_kwarg(target): cache}).logits[0, -1]
             torch.testing.assert_close(following, target(out.sequences).logits[0, -1], rtol=1e-4, atol=1e-4)
         longer = cache.layers[0].max_cache_len
         shorter = target.generate(prompt[:, :3], max_new_tokens=5, **kwargs)
@@ -94,7 +94,7 @@ def test_static_compaction_matches_dynamic():
     dynamic, static = new_target_cache(target.config), new_target_cache(target.config, static_length=16)
     with torch.no_grad():
         for cache in (dynamic, static):
-            target(tokens, **{_cache_kwarg(target): cache})
+            target(tokens, **{cache_kwarg(target): cache})
     path = torch.tensor([0, 2, 4])  # node indices of a 5-node tree after a prefix of 4
     keep_accepted(dynamic, 4, path)
     keep_accepted(static, 4, path)
@@ -189,12 +189,12 @@ def test_static_cache_passed_to_generate(pairs):
     with tree_settings(draft, total_tokens=10, depth=3, top_k=3):
         cache = StaticCache(config=target.config, max_cache_len=64)
         got = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=draft,
-                              **{_cache_kwarg(target): cache})
+                              **{cache_kwarg(target): cache})
         assert torch.equal(got, expected)
         assert int(cache.get_seq_length()) == got.shape[1] - 1
         with pytest.raises(ValueError, match="needs 35"):  # max_length 24 + 11 tree nodes
             target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=draft,
-                            **{_cache_kwarg(target): StaticCache(config=target.config, max_cache_len=30)})
+                            **{cache_kwarg(target): StaticCache(config=target.config, max_cache_len=30)})
 
 
 def test_offloaded_static_cache_is_refused(pairs):
@@ -204,4 +204,4 @@ def test_offloaded_static_cache_is_refused(pairs):
     cache = StaticCache(config=target.config, max_cache_len=64)
     cache.offloading = True
     with pytest.raises(ValueError, match="offloaded caches .cache_implementation=.offloaded_static.*Use cache_implementation=.static."):
-        target.generate(torch.tensor([[5, 9]]), max_new_tokens=3, assistant_model=draft, **{_cache_kwarg(target): cache})
+        target.generate(torch.tensor([[5, 9]]), max_new_tokens=3, assistant_model=draft, **{cache_kwarg(target): cache})

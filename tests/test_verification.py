@@ -140,7 +140,7 @@ def test_lazy_leaf_logits_give_the_same_verdict():
 def test_verify_tree_returns_a_named_round():
     """`verify_tree` on a real tiny target: the named result's fields agree with each other and with the cache."""
     from tiny_models import make_target, quick_trained_draft
-    from transformers_jakiro.decoding import VerifiedRound, _cache_kwarg, verify_tree
+    from transformers_jakiro.decoding import VerifiedRound, cache_kwarg, verify_tree
     from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
     from transformers_jakiro.kv_cache import new_target_cache
 
@@ -149,12 +149,12 @@ def test_verify_tree_returns_a_named_round():
     prompt = torch.tensor([[5, 6, 7, 8, 9]])
     cache = new_target_cache(target.config)
     with torch.no_grad():
-        out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, **{_cache_kwarg(target): cache})
+        out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, **{cache_kwarg(target): cache})
         sequence = torch.cat([prompt, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         generator = JakiroCandidateGenerator(draft, TreeSettings(total_tokens=20, depth=3, top_k=4, contrastive=True))
         generator.set_features(out.hidden_states[-1][0])
         tree = generator.get_candidates(sequence)
-        verified = verify_tree(target, cache, _cache_kwarg(target), tree, sequence, LogitsProcessorList(), False)
+        verified = verify_tree(target, cache, cache_kwarg(target), tree, sequence, LogitsProcessorList(), False)
     assert isinstance(verified, VerifiedRound)
     m = verified.path.numel()
     assert verified.path[0].item() == 0 and cache.get_seq_length() == prompt.shape[1] + m

@@ -40,7 +40,7 @@ import transformers
 from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig, LogitsProcessorList
 
 from transformers_jakiro import JakiroDraftModel
-from transformers_jakiro.decoding import _cache_kwarg, verify_tree
+from transformers_jakiro.decoding import cache_kwarg, verify_tree
 from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
 from transformers_jakiro.kv_cache import new_target_cache, truncate
 from transformers_jakiro.tree import DraftTree
@@ -95,7 +95,7 @@ def random_prompt(target, context: int, batch: int = 1, seed: int = 0) -> torch.
 @torch.no_grad()
 def measure_plain_eager(target, prompt, repeats: int, warmup: int) -> dict:
     """One token through the target over a DynamicCache at a fixed context (every batch row one token)."""
-    cache_kwarg = _cache_kwarg(target)
+    cache_kwarg = cache_kwarg(target)
     context = prompt.shape[1]
     cache = new_target_cache(target.config)
     out = target(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
@@ -114,7 +114,7 @@ def measure_plain_eager(target, prompt, repeats: int, warmup: int) -> dict:
 def measure_round_eager(target, draft, settings: TreeSettings, prompt, repeats: int, warmup: int) -> dict:
     """What `generate(..., assistant_model=draft)` does per iteration, at a fixed context (see the module doc)."""
     device = prompt.device
-    cache_kwarg = _cache_kwarg(target)
+    cache_kwarg = cache_kwarg(target)
     context = prompt.shape[1]
     cache = new_target_cache(target.config)
     out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_kwarg: cache})
@@ -211,7 +211,7 @@ def measure_plain_compiled(target, prompt, forward, length: int, repeats: int, w
     """Plain: the prefill eager (as generate does), then one token per step through the compiled forward."""
     device = prompt.device
     context = prompt.shape[1]
-    cache_kwarg = _cache_kwarg(target)
+    cache_kwarg = cache_kwarg(target)
     sync = _sync(device)
     plain_cache = new_target_cache(target.config, static_length=length)
     out = target(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg: plain_cache})
@@ -241,7 +241,7 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, forwar
     """The Jakiro round as `generate(..., assistant_model=draft, cache_implementation="static")` runs it."""
     device = prompt.device
     context = prompt.shape[1]
-    cache_kwarg = _cache_kwarg(target)
+    cache_kwarg = cache_kwarg(target)
     sync = _sync(device)
     cache = new_target_cache(target.config, static_length=length)
     out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1,

@@ -154,16 +154,34 @@ class RoundController:
         return {name: cost for name, cost in costs.items() if cost is not None}
 
 
-def controller_for(target, draft, settings, static: bool, fixed_shape: bool) -> RoundController | None:
+def batch_tree(total_tokens: int, depth: int, top_k: int, batch: int) -> tuple[int, int, int]:
+    """The tree each row of a batch of `batch` gets in place of the configured one (`total_tokens`/`depth`/`top_k`):
+    the configured tree's node budget shared by the rows, so that a batch's verify forward holds about as many tokens
+    as one sequence's (`total_tokens` + the roots) and costs about what the tuned tree costs at batch size 1:
+
+        total = max(1, round(total_tokens / batch)),  depth = min(depth, total),  top_k = min(top_k, total)
+
+    (24/4/6 becomes 12/4/6 at 2 rows, 6/4/6 at 4, 3/3/3 at 8). The round controller then chooses, per batch round,
+    between this tree, a smaller one and a plain batched step, from measured times at this batch size."""
+    if batch <= 1:
+        return total_tokens, depth, top_k
+    total = max(1, round(total_tokens / batch))
+    return total, min(depth, total), min(top_k, total)
+
+
+def controller_for(
+    target, draft, settings, static: bool, fixed_shape: bool, batch_size: int = 1
+) -> RoundController | None:
     """The controller for one generate call (None with `settings.adaptive` off): its choices from the settings, its
-    cost priors from the disk cache for this machine, its token priors from the draft's earlier generations."""
+    cost priors from the disk cache for this machine and batch size, its token priors from the draft's earlier
+    generations (tokens per row and round)."""
     if not settings.adaptive:
         return None
     vocab = draft.config.draft_vocab_size or draft.config.vocab_size
     choices = choices_for(
         settings.total_tokens, settings.depth, min(settings.top_k, vocab), settings.lookup_tokens > 0, fixed_shape
     )
-    key = machine_key(target, "static" if static else "dynamic")
+    key = machine_key(target, "static" if static else "dynamic", batch_size)
     known = getattr(draft, "_jakiro_round_tokens", {})
     return RoundController(choices, token_priors=dict(known), cost_priors=load_costs(key), key=key)
 
@@ -234,6 +252,7 @@ def save_costs(key: str, costs: dict) -> None:
 
 __all__ = [
     "RoundChoice",
+    "batch_tree",
     "RoundController",
     "choices_for",
     "controller_for",

@@ -17,107 +17,23 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from . import adaptive, verification
+from .batching import batch_decode
 from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
 from .features import TargetFeatures
-from .kv_cache import check_cache_supported, is_static, keep_accepted, new_target_cache, static_length, truncate
-from .logits import check_processors, process_tree_logits
+from .kv_cache import is_static, keep_accepted, static_length, truncate
+from .logits import process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
 from .stats import JakiroGenerationStats
+from .target_inputs import (
+    cache_kwarg,
+    check_position_ids,
+    check_supported,
+    forward_accepts,
+    left_padding,
+    stop_verdicts,
+    target_cache,
+)
 from .tree import DraftTree
-
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-
-def _forward_accepts(model, name: str) -> bool:
-    """Whether the model's forward takes `name` (optional arguments such as `logits_to_keep` are missing from some
-    remote-code models, which then fail with a TypeError)."""
-    return name in inspect.signature(model.forward).parameters
-
-
-def _cache_kwarg(model) -> str:
-    """transformers 5.24 renamed the forward argument `past_key_values` to `cache`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-# Model inputs that `generate` hands to every decoding method (5.17 to 5.24) and the loop below handles: the padding
-# mask and the positions derived from it, the empty cache generate prepares, the prefill's `logits_to_keep=1`.
-# Anything else (`pixel_values`, `token_type_ids`, ...) would be dropped, and the output would silently differ from
-# plain generate's, so it is refused by name.
-_HANDLED_MODEL_KWARGS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep")
-
-
-def _check_model_kwargs(model_kwargs: dict, generation_config: GenerationConfig) -> None:
-    unhandled = sorted(key for key, value in model_kwargs.items() if value is not None and key not in _HANDLED_MODEL_KWARGS)
-    if unhandled:
-        raise ValueError(
-            f"Jakiro decoding cannot use the model input(s) {', '.join(unhandled)}: its tree path feeds the target "
-            "input_ids and attention_mask only, so the output would differ from plain generate (a vision-language "
-            "target would decode without its image). Generate without the Jakiro draft for such inputs, or leave "
-            f"{', '.join(unhandled)} out."
-        )
-    if model_kwargs.get("logits_to_keep") not in (None, 1):
-        raise ValueError(
-            f"Jakiro decoding keeps the logits it needs itself; got logits_to_keep={model_kwargs['logits_to_keep']!r}. "
-            "Leave logits_to_keep out."
-        )
-    if generation_config.return_dict_in_generate:
-        for flag in ("output_attentions", "output_hidden_states"):
-            if getattr(generation_config, flag, False):
-                raise ValueError(
-                    f"Jakiro decoding does not return per-step attentions or hidden states; got {flag}=True with "
-                    f"return_dict_in_generate=True. Leave {flag} out, or generate without the Jakiro draft."
-                )
-
-
-def _left_padding(attention_mask, length: int) -> int:
-    """Number of left-padding positions of a [1, length] mask (None: no padding); refuses any other zeros."""
-    if attention_mask is None or bool(attention_mask.all()):
-        return 0
-    padding = int((attention_mask[0].cumsum(0) == 0).sum())
-    if padding == length or not bool(attention_mask[0, padding:].all()):
-        raise ValueError(
-            "Jakiro decoding supports left padding only (zeros before the first real token, at least one real "
-            "token); fix the attention_mask."
-        )
-    return padding
-
-
-def _check_position_ids(position_ids, padding: int, length: int) -> None:
-    """`generate` passes positions 0, 1, ... over the real tokens (what pads get differs between versions and does
-    not matter: they are masked). A user's own positions would be ignored by the tree path: refuse them."""
-    if position_ids is None:
-        return
-    expected = torch.arange(length - padding, device=position_ids.device)[None]
-    if tuple(position_ids.shape) != (1, length) or not torch.equal(position_ids[:, padding:], expected):
-        raise ValueError(
-            "Jakiro decoding places tokens at positions 0, 1, ... after the left padding, but the position_ids "
-            "passed to generate differ; the output would differ from plain generate. Leave position_ids out."
-        )
-
-
-def _check_supported(target, draft, input_ids, processors, model_kwargs, generation_config) -> None:
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"Jakiro decoding supports batch size 1 for now; got a batch of {input_ids.shape[0]}. "
-            "Call generate once per prompt."
-        )
-    attention = getattr(target.config, "_attn_implementation", None) or "sdpa"
-    if attention not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"The target uses attn_implementation='{attention}'. Tree verification needs an explicit 4D tree mask, "
-            f"which only {' and '.join(SUPPORTED_ATTENTION)} honour; load the target with attn_implementation='sdpa'."
-        )
-    if target.config.is_encoder_decoder:
-        raise ValueError("Jakiro decoding supports decoder-only targets only.")
-    for key in ("cache", "past_key_values"):
-        given = model_kwargs.get(key)
-        if given is not None and given.get_seq_length() > 0:
-            raise ValueError("Jakiro decoding starts from an empty cache; do not pass a filled cache to generate.")
-    if model_kwargs.get("inputs_embeds") is not None:
-        raise ValueError("Jakiro decoding needs input_ids, not inputs_embeds.")
-    _check_model_kwargs(model_kwargs, generation_config)
-    check_processors(processors)
-    draft.bind_target(target)  # checks shapes every call: the draft may have been bound to another target before
 
 
 def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor):
@@ -133,54 +49,13 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
     position) check that the output layer alone reproduces the model's logits: models that scale or soft-cap logits
     after it keep the full path.
     """
-    if last_hidden.device.type != "cpu" or not _forward_accepts(target, "logits_to_keep"):
+    if last_hidden.device.type != "cpu" or not forward_accepts(target, "logits_to_keep"):
         return None
     head = target.get_output_embeddings()
     if head is None:
         return None
     reproduced = head(last_hidden).float()
     return head if torch.allclose(reproduced, last_logits.float(), rtol=1e-3, atol=1e-3) else None
-
-
-def _target_cache(target, model_kwargs: dict, generation_config: GenerationConfig, max_nodes: int):
-    """The target's cache for this call: the DynamicCache generate prepared or the caller passed (filled in place,
-    as plain generate fills it), or static with `cache_implementation="static"` or a StaticCache passed to generate.
-    Offloaded and quantized caches are refused by name: the tree path edits every layer's tensors in place.
-
-    The static cache `generate` builds holds `max_length - 1` positions, but a round writes a whole tree after the
-    accepted prefix, so it is replaced by one of transformers' own `StaticCache`s of `max_length + max_nodes`
-    positions (at least `max_cache_len`). As in `generate` (`_prepare_static_cache`), the size never shrinks from one
-    call to the next on the same target: a compiled forward then keeps its shapes whatever the prompt length. A
-    StaticCache the caller passed is used as it is (and so filled, as in plain generate), if it is large enough."""
-    given = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if given is None:  # use_cache=False, or a model that builds no cache in generate: decode with our own
-        return new_target_cache(target.config)
-    if getattr(given, "offloading", False):
-        kind = "static" if is_static(given) else "dynamic"
-        raise ValueError(
-            f"Jakiro decoding does not support offloaded caches (cache_implementation='offloaded"
-            f"{'_static' if kind == 'static' else ''}'): it moves the accepted path inside each layer's tensors, "
-            f"which offloading keeps on another device. Use cache_implementation='{kind}'."
-        )
-    if not is_static(given):
-        # The DynamicCache generate built, or the caller's own: filled in place, as plain generate fills it. Anything
-        # else (a QuantizedCache, sliding-window layers) is refused by name.
-        what = "The cache passed to generate" if getattr(given, "_is_user_defined", False) else "The target's cache"
-        check_cache_supported(given, what=what)
-        return given
-    needed = max(generation_config.max_length + max_nodes, getattr(generation_config, "max_cache_len", None) or 0)
-    if getattr(given, "_is_user_defined", False):  # set by generate on a cache passed in (5.17 and 5.24)
-        check_cache_supported(given, what="The cache passed to generate")
-        if static_length(given) < needed:
-            raise ValueError(
-                f"The StaticCache passed to generate holds {static_length(given)} positions; Jakiro decoding writes a "
-                f"whole tree after the prefix and needs {needed} (max_length + {max_nodes} tree nodes). Pass a larger "
-                "cache, or cache_implementation='static' instead of a cache."
-            )
-        return given
-    length = max(needed, getattr(target, "_jakiro_static_cache_length", 0))
-    target._jakiro_static_cache_length = length
-    return new_target_cache(target.config, static_length=length)
 
 
 def _candidate_generator(target, draft, settings, cache, fixed_shape: bool, compiled: bool, generation_config):
@@ -339,8 +214,14 @@ def jakiro_decode(
     settings: TreeSettings | None = None,
     **model_kwargs,
 ):
-    """The decoding loop; `generate` has already prepared processors, stopping criteria and the config."""
-    _check_supported(target, draft, input_ids, logits_processor, model_kwargs, generation_config)
+    """The decoding loop; `generate` has already prepared processors, stopping criteria and the config. A batch of
+    several rows goes to `batching.batch_decode`."""
+    check_supported(target, draft, input_ids, logits_processor, model_kwargs, generation_config)
+    if input_ids.shape[0] > 1:
+        return batch_decode(
+            target, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, settings,
+            **model_kwargs,
+        )
     settings = settings or TreeSettings.resolve(draft)
     do_sample = generation_config.do_sample
     want_dict = generation_config.return_dict_in_generate
@@ -352,15 +233,15 @@ def jakiro_decode(
     # cache returned with return_dict_in_generate lines up with `sequences` and can be continued), nothing attends to
     # them and positions continue after them; the draft reads the unpadded prompt only. The logits processors and
     # stopping criteria see the full row, exactly as in plain generate.
-    padding = _left_padding(model_kwargs.get("attention_mask"), input_ids.shape[1])
-    _check_position_ids(model_kwargs.get("position_ids"), padding, input_ids.shape[1])
+    padding = left_padding(model_kwargs.get("attention_mask"), input_ids.shape[1])
+    check_position_ids(model_kwargs.get("position_ids"), padding, input_ids.shape[1])
 
     stats = JakiroGenerationStats()
     started = time.perf_counter()
     target_device = target.get_input_embeddings().weight.device
     sequence = input_ids.to(target_device)
-    cache = _target_cache(target, model_kwargs, generation_config, settings.max_nodes)
-    cache_kwarg = _cache_kwarg(target)
+    cache = target_cache(target, model_kwargs, generation_config, settings.max_nodes)
+    cache_arg = cache_kwarg(target)
     static = is_static(cache)
     fixed_shape = static if settings.fixed_shape is None else bool(settings.fixed_shape)
     forward = _verify_forward(target, cache, generation_config) if static and fixed_shape else target
@@ -370,16 +251,13 @@ def jakiro_decode(
     def emit(
         tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor, choice="prefill"
     ) -> bool:
-        """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends.
-
-        Plain decoding checks the stopping criteria after every token, and an EOS or a stop string may sit inside an
-        accepted path, so every prefix is checked; the m verdicts are read on the host together (one sync), and the
-        round is cut after the first token that stops."""
+        """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends. The m
+        stopping verdicts (`stop_verdicts`) are read on the host together (one sync), and the round is cut after
+        the first token that stops."""
         nonlocal sequence
         start = sequence.shape[1]
         sequence = torch.cat([sequence, tokens[None].to(sequence.device)], dim=1)
-        verdicts = [stopping_criteria(sequence[:, : start + i + 1], processed[i : i + 1]).any() for i in range(len(token_ids))]
-        stops = torch.stack(verdicts).tolist()
+        stops = stop_verdicts(stopping_criteria, sequence, start, processed, len(token_ids)).tolist()
         count = stops.index(True) + 1 if True in stops else len(token_ids)
         sequence = sequence[:, : start + count]
         if keep_scores:
@@ -407,8 +285,8 @@ def jakiro_decode(
             **padded,
             use_cache=True,
             **hidden.forward_kwargs(),
-            **({"logits_to_keep": 1} if _forward_accepts(target, "logits_to_keep") else {}),
-            **{cache_kwarg: cache},
+            **({"logits_to_keep": 1} if forward_accepts(target, "logits_to_keep") else {}),
+            **{cache_arg: cache},
         )
         features, last_logits = hidden.take(out), out.logits[:, -1]
     del out  # with the output_hidden_states fallback, every layer's states: freed before the draft's prefill
@@ -437,7 +315,7 @@ def jakiro_decode(
         tic = time.perf_counter()
         past = sequence.shape[1] - 1  # the cache holds everything but the root, the last accepted token
         verified = verify_tree(
-            target, cache, cache_kwarg, tree, sequence, logits_processor, do_sample, leaf_head, padding, past, forward,
+            target, cache, cache_arg, tree, sequence, logits_processor, do_sample, leaf_head, padding, past, forward,
             draft.config.target_feature_layers,
         )
         candidates.set_features(verified.features)

@@ -88,6 +88,41 @@ def keep_accepted(cache, prefix_length: int, path: torch.LongTensor) -> None:
         layer.values = layer.values[..., :new_length, :]
 
 
+def _dynamic_layers(cache):
+    """The layers of a DynamicCache that hold tensors (a model may leave some uninitialised)."""
+    return [
+        layer for layer in cache.layers
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel()
+    ]
+
+
+def keep_accepted_rows(cache, prefix_length: int, nodes: torch.LongTensor) -> None:
+    """A batch's `keep_accepted`, for a DynamicCache: row r keeps positions [0, prefix_length) plus
+    `prefix_length + nodes[r]` ([rows, m]; every row keeps m entries, a row's unused ones being holes that the
+    caller masks), in place."""
+    for layer in _dynamic_layers(cache):
+        rows, heads, _, width = layer.keys.shape
+        index = nodes.to(layer.keys.device)[:, None, :, None].expand(rows, heads, -1, width)
+        keys = layer.keys[:, :, prefix_length:].gather(2, index)
+        values = layer.values[:, :, prefix_length:].gather(2, index)
+        layer.keys = torch.cat([layer.keys[:, :, :prefix_length], keys], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :prefix_length], values], dim=2)
+
+
+def select_rows(cache, rows: torch.LongTensor) -> None:
+    """Keep these batch rows of a DynamicCache, in this order (the others finished)."""
+    for layer in _dynamic_layers(cache):
+        index = rows.to(layer.keys.device)
+        layer.keys, layer.values = layer.keys[index], layer.values[index]
+
+
+def select_positions(cache, positions: torch.LongTensor) -> None:
+    """Keep these cache positions of a DynamicCache, in this order (the others are holes in every row)."""
+    for layer in _dynamic_layers(cache):
+        index = positions.to(layer.keys.device)
+        layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
+
+
 def _set_static_length(cache: StaticCache, length: int) -> None:
     # In place: `cumulative_length` has a static address that a compiled forward reads (and advances) every round.
     # StaticLayer.crop does the same, but 5.17 has no crop on static layers.
@@ -110,8 +145,11 @@ __all__ = [
     "check_cache_supported",
     "is_static",
     "keep_accepted",
+    "keep_accepted_rows",
     "new_draft_cache",
     "new_target_cache",
+    "select_positions",
+    "select_rows",
     "static_length",
     "truncate",
 ]

@@ -92,6 +92,23 @@ def _for_rows(processors: LogitsProcessorList, rows: int) -> LogitsProcessorList
     return LogitsProcessorList(adapted)
 
 
+def processors_for_row(processors: LogitsProcessorList, row: int) -> LogitsProcessorList:
+    """`processors` as they apply to row `row` of the batch `generate` prepared them for: per-batch state
+    (`PER_ROW_STATE`) cut to that row, in shallow copies, so that the row can be processed alone (a batch's rows
+    decode on their own in tree decoding); the originals are untouched."""
+    adapted = []
+    for processor in processors:
+        names = PER_ROW_STATE.get(type(processor).__name__, ())
+        state = {name: getattr(processor, name, None) for name in names}
+        state = {name: value for name, value in state.items() if torch.is_tensor(value) and value.shape[0] > 1}
+        if state:
+            processor = copy.copy(processor)
+            for name, value in state.items():
+                setattr(processor, name, value[row : row + 1])
+        adapted.append(processor)
+    return LogitsProcessorList(adapted)
+
+
 def path_tokens(tree: DraftTree) -> torch.LongTensor:
     """[n, tree.levels + 1]: row i holds the tokens from the root to node i (entries past its depth are 0).
 
@@ -140,4 +157,12 @@ def process_tree_logits(
     return out
 
 
-__all__ = ["PER_ROW_STATE", "PREFIX_FREE_PROCESSORS", "ROW_WISE_PROCESSORS", "check_processors", "path_tokens", "process_tree_logits"]
+__all__ = [
+    "PER_ROW_STATE",
+    "PREFIX_FREE_PROCESSORS",
+    "ROW_WISE_PROCESSORS",
+    "check_processors",
+    "path_tokens",
+    "process_tree_logits",
+    "processors_for_row",
+]

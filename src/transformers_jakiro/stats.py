@@ -27,6 +27,9 @@ class JakiroGenerationStats:
     # what each round verified, parallel to accepted_lengths: "prefill", then "plain", "lookup" or "tree T/D/K"
     # (`adaptive.RoundChoice.name`; the round controller's choice, or the pinned tree)
     choices: list[str] = field(default_factory=list)
+    # A batch (B > 1): the whole batch's rounds above (a round's accepted length is every row's tokens together:
+    # tokens per target forward), and each row's own stats here, in the caller's row order; None for one sequence.
+    rows: list["JakiroGenerationStats"] | None = None
 
     @property
     def choice_counts(self) -> dict:

@@ -1,0 +1,210 @@
+"""Drafting for a batch: one Jakiro tree per row, every draft forward run for all rows at once.
+
+The batched counterpart of `drafting.JakiroCandidateGenerator` (read that first: the tree is built the same way, row
+by row). What differs is the draft's KV cache, shared by the rows, whose rows accept different numbers of tokens:
+
+  * The cache grows by the same number of entries for every row; a row that has fewer new positions than another
+    leaves *holes*, entries that `key_mask` marks as absent and that no query ever sees. Each row's position ids
+    count only its own present entries, so a row's draft computes what it would compute alone (up to rounding).
+  * A read appends the accepted positions of every row (right-padded to the longest, the padding being holes), in
+    one forward. The prompt is the first read: left padding never enters the draft's cache.
+  * A tree level is one forward over `k` nodes of every row, [rows, k] queries; the tree's entries are dropped after
+    the last level, as for one row.
+
+Cost per round over one row's: the holes (the longest read minus each row's own) in attention, and the per-row
+flattening and lookup on the host; everything on the device is one call per level for the whole batch.
+"""
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .drafting import TreeSettings, draft_log_probs
+from .kv_cache import select_positions, select_rows, truncate
+from .lookup import NgramIndex
+from .modeling_jakiro import JakiroDraftModel
+from .tree import DraftTree, flatten_tree, graft_chains
+
+
+class BatchDrafter:
+    """Drafts one token tree per row of a batch (see the module docstring).
+
+    `queue(row, features, next_tokens)` hands over a row's newly accepted positions (target features [m, width] and
+    the token after each); `trees(roots, ...)` reads everything queued, in one forward, and expands every row's tree.
+    Rows are addressed by their place in the current batch; `select(rows)` keeps some rows (finished ones leave).
+    """
+
+    def __init__(self, draft: JakiroDraftModel, settings: TreeSettings, batch: int):
+        self.draft = draft
+        self.settings = settings
+        self.cache = DynamicCache()
+        device = draft.fc.weight.device
+        self.key_mask = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # present entries of the cache
+        self.present = [0] * batch  # present entries per row: the next position id of each row
+        self.queued: list[list[tuple[torch.Tensor, torch.LongTensor]]] = [[] for _ in range(batch)]
+        vocab = draft.config.draft_vocab_size or draft.config.vocab_size
+        self.top_k = min(settings.top_k, vocab)
+        lookup = settings.lookup_tokens > 0
+        self.lookup = [NgramIndex(settings.lookup_max_ngram) if lookup else None for _ in range(batch)]
+        self.lookup_length = [settings.lookup_tokens] * batch
+
+    @property
+    def batch(self) -> int:
+        return len(self.present)
+
+    def queue(self, row: int, features: torch.Tensor, next_tokens: torch.LongTensor) -> None:
+        self.queued[row].append((features, next_tokens))
+
+    def extend_context(self, row: int, tokens: list[int], lookup_accepted: int | None = None) -> None:
+        """As `JakiroCandidateGenerator.extend_context`, per row: the row's accepted tokens for its n-gram index, and
+        its next chain length (2a + 1 after a round that accepted a of its lookup nodes)."""
+        if self.lookup[row] is None:
+            return
+        self.lookup[row].extend(tokens)
+        if lookup_accepted is not None:
+            self.lookup_length[row] = min(self.settings.lookup_tokens, 2 * lookup_accepted + 1)
+
+    def chains(self, whole: bool = False) -> list[list[list[int]]]:
+        """Every row's lookup chains this round (`whole`: at full length, for lookup-only rounds)."""
+        settings = self.settings
+        return [
+            [] if index is None else index.chains(settings.lookup_tokens if whole else length, settings.lookup_chains)
+            for index, length in zip(self.lookup, self.lookup_length)
+        ]
+
+    def select(self, rows: list[int]) -> None:
+        """Keep these rows (indices into the current batch), in this order."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.key_mask.device)
+        select_rows(self.cache, index)
+        self.key_mask = self.key_mask[index]
+        for name in ("present", "queued", "lookup", "lookup_length"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in rows])
+        self._drop_holes()
+
+    def _drop_holes(self) -> None:
+        """Remove cache columns that are holes in every row (left after the rows that needed them finished)."""
+        keep = self.key_mask.any(dim=0)
+        if bool(keep.all()):
+            return
+        columns = torch.nonzero(keep).flatten()
+        select_positions(self.cache, columns)
+        self.key_mask = self.key_mask[:, columns]
+
+    def _mask(self, visible_new: torch.BoolTensor) -> torch.BoolTensor:
+        """[rows, 1, q, cached + new] bool: each query sees its row's present cached entries and `visible_new`
+        ([rows, q, new]) among the entries this forward and earlier tree levels wrote after them."""
+        rows, queries, _ = visible_new.shape
+        cached = self.key_mask[:, None, :].expand(rows, queries, -1)
+        return torch.cat([cached, visible_new], dim=2)[:, None]
+
+    def _read(self):
+        """Read every row's queued positions in one forward. Returns the left and right outputs at each row's last
+        position ([rows, hidden] each; right None without a contrastive head)."""
+        draft, device = self.draft, self.draft.fc.weight.device
+        features = [torch.cat([f for f, _ in queue]) for queue in self.queued]
+        tokens = [torch.cat([t for _, t in queue]) for queue in self.queued]
+        lengths = [f.shape[0] for f in features]
+        longest = max(lengths)
+        width = features[0].shape[-1]
+        padded_features = features[0].new_zeros(self.batch, longest, width)
+        padded_tokens = tokens[0].new_zeros(self.batch, longest)
+        for row, (f, t) in enumerate(zip(features, tokens)):
+            padded_features[row, : f.shape[0]] = f
+            padded_tokens[row, : t.shape[0]] = t
+        lengths_t = torch.tensor(lengths, device=device)
+        steps = torch.arange(longest, device=device)
+        valid = steps[None, :] < lengths_t[:, None]  # [rows, longest]
+        causal = steps[None, :, None] >= steps[None, None, :]  # query j sees new entries <= j
+        visible = causal & valid[:, None, :]
+        positions = torch.tensor(self.present, device=device)[:, None] + steps[None, :]
+        out = draft(
+            input_ids=padded_tokens.to(device), hidden_states=padded_features, position_ids=positions,
+            attention_mask=self._mask(visible), cache=self.cache,
+        )
+        self.key_mask = torch.cat([self.key_mask, valid], dim=1)
+        self.present = [p + m for p, m in zip(self.present, lengths)]
+        self.queued = [[] for _ in range(self.batch)]
+        last = (lengths_t - 1)[:, None, None]
+        left = out.last_hidden_state.gather(1, last.expand(-1, 1, out.last_hidden_state.shape[-1]))[:, 0]
+        right = out.contrastive_hidden_state
+        if right is not None and self.settings.contrastive:
+            right = right.gather(1, last.expand(-1, 1, right.shape[-1]))[:, 0]
+        else:
+            right = None
+        return left, right
+
+    def _top(self, features: torch.Tensor, k: int):
+        top = draft_log_probs(self.draft, features).topk(k, dim=-1)
+        return top.values, self.draft.draft_to_target_ids(top.indices)
+
+    @torch.no_grad()
+    def trees(self, roots: torch.LongTensor, total_tokens: int, depth: int, top_k: int, chains=None) -> list[DraftTree]:
+        """Every row's tree for this round, rooted at `roots` [rows] (each row's last accepted token), with its lookup
+        `chains` (per row, or None) grafted. `total_tokens`/`depth`/`top_k`: the tree size every row gets."""
+        draft, device = self.draft, self.draft.fc.weight.device
+        k = min(top_k, self.top_k)
+        left, right = self._read()
+        rows = self.batch
+        stable = torch.tensor(self.present, device=device)  # each row's root was read at position stable - 1
+        cached = self.key_mask.shape[1]
+
+        tokens_by_level, parents_by_level, scores_by_level, depths_by_level = [], [], [], []
+
+        def record(tokens, parents, scores, level):
+            start = 1 + sum(t.shape[1] for t in tokens_by_level)
+            tokens_by_level.append(tokens.reshape(rows, -1))
+            parents_by_level.append(parents.reshape(rows, -1))
+            scores_by_level.append(scores.reshape(rows, -1).float())
+            depths_by_level.append(torch.full_like(tokens_by_level[-1], level))
+            return torch.arange(start, start + tokens_by_level[-1].shape[1], device=device)
+
+        kept_scores, kept_tokens = self._top(left, k)  # [rows, k]
+        index = record(kept_tokens, torch.zeros_like(kept_tokens), kept_scores, 1)
+        kept_index = index[None].expand(rows, k)
+        kept_rows = torch.zeros(rows, k, dtype=torch.long, device=device)
+        left = left[:, None]  # [rows, 1, hidden]: rows of the last forward
+        eye = torch.eye(k, dtype=torch.bool, device=device)
+        visible = eye[None].expand(rows, k, k)
+
+        for level in range(2, depth + 1):
+            hidden = left.shape[-1]
+            parent_features = left.gather(1, kept_rows[..., None].expand(-1, -1, hidden))
+            positions = (stable - 2 + level)[:, None].expand(rows, k)
+            out = draft(
+                input_ids=kept_tokens, hidden_states=parent_features, position_ids=positions,
+                attention_mask=self._mask(visible), cache=self.cache,
+            )
+            left = out.last_hidden_state
+            right = out.contrastive_hidden_state if self.settings.contrastive else None
+            log_probs, tokens = self._top(left, k)  # [rows, k, k]
+            scores = kept_scores[..., None] + log_probs
+            index = record(tokens, kept_index[..., None].expand(rows, k, k), scores, level)
+            best = scores.reshape(rows, -1).topk(k, dim=-1).indices
+            kept_rows = best // k
+            kept_index = index[best]
+            kept_tokens = tokens.reshape(rows, -1).gather(1, best)
+            kept_scores = scores.reshape(rows, -1).gather(1, best)
+            visible = torch.cat([visible.gather(1, kept_rows[..., None].expand(-1, -1, visible.shape[2])),
+                                 eye[None].expand(rows, k, k)], dim=2)
+
+        if right is not None:
+            if right.dim() == 2:  # depth 1: the root's own right output
+                right = right[:, None]
+            log_probs, tokens = self._top(right, k)  # [rows, rows of the last forward, k]
+            pick = kept_rows[..., None].expand(-1, -1, k)
+            record(tokens.gather(1, pick), kept_index[..., None].expand(rows, k, k),
+                   kept_scores[..., None] + log_probs.gather(1, pick), depth + 1)
+        truncate(self.cache, cached)
+
+        levels = len(tokens_by_level)
+        tokens = torch.cat([roots.to(device)[:, None], *tokens_by_level], dim=1)
+        parents = torch.cat([torch.full((rows, 1), -1, device=device, dtype=torch.long), *parents_by_level], dim=1)
+        scores = torch.cat([torch.zeros(rows, 1, device=device), *scores_by_level], dim=1)
+        depths = torch.cat([torch.zeros(rows, 1, device=device, dtype=torch.long), *depths_by_level], dim=1)
+        trees = [flatten_tree(tokens[r], parents[r], scores[r], depths[r], total_tokens, levels) for r in range(rows)]
+        if chains is not None:
+            trees = [graft_chains(tree, row_chains) for tree, row_chains in zip(trees, chains)]
+        return trees
+
+
+__all__ = ["BatchDrafter"]

@@ -1,0 +1,303 @@
+"""Batches: tree speculative decoding of B > 1 rows in one `generate` call, every row exactly as if decoded alone.
+
+Each row drafts its own tree (`batch_drafting.BatchDrafter`: one draft forward per level for all rows), the target
+verifies every row's tree in one forward (trees padded to one size with never-accepted dummy nodes, per-row 4D tree
+masks and positions), and each row accepts its own path by the one-row rule (`verification.verify`, with the logits
+processors and stopping criteria applied to the row's own sequence, left padding included, as plain generate does).
+
+Ragged acceptance: per-row compaction with masked holes. After a round in which row r accepted m_r nodes, every row
+keeps M = max(m_r) cache entries after the prefix: row r its m_r accepted nodes, then M - m_r holes. `key_mask`
+([rows, cached], like generate's attention mask) marks holes and left padding absent, so no query sees them, and a
+row's position ids count only its present entries: each row attends to exactly the keys and positions it would have
+alone. Cost per round over B separate one-row rounds: one gather of M entries per layer (no copy of the prefix
+grows with the context), the holes' share of attention (sum of M - m_r over rounds), and the host work per row
+(processing, acceptance, stopping checks; one device-to-host copy for the whole batch). Rows that finish (EOS, stop
+strings, max length) leave the batch at once (their cache rows are dropped, and columns that became holes in every
+row with them); the output pads them with `pad_token_id`, as plain generate does.
+
+Per batch round one choice (`adaptive.RoundController`, keyed by batch size): a plain batched step, lookup chains
+alone, a smaller tree or the batch tree (`adaptive.batch_tree`: the configured tree's node budget shared by the
+rows). Not yet for batches: static caches (and so the compiled path) and per-step scores or logits
+(`output_scores`, `output_logits`: plain generate's rows keep producing scores after they finish); both are
+refused by name.
+"""
+
+import dataclasses
+import time
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from . import adaptive, verification
+from .batch_drafting import BatchDrafter
+from .drafting import TreeSettings
+from .features import TargetFeatures
+from .kv_cache import is_static, keep_accepted_rows, select_positions, select_rows
+from .logits import process_tree_logits, processors_for_row
+from .modeling_jakiro import JakiroDraftModel
+from .stats import JakiroGenerationStats
+from .target_inputs import cache_kwarg, check_position_ids, forward_accepts, left_paddings, stop_verdicts, target_cache
+from .tree import DraftTree, graft_chains
+
+
+def _check_batch_supported(generation_config: GenerationConfig, cache, streamer) -> None:
+    if is_static(cache):
+        raise ValueError(
+            "Jakiro decoding of a batch (B > 1) does not support a static cache yet (cache_implementation='static' or "
+            "a StaticCache, and so the compiled path): rows accept different lengths every round. Use the dynamic "
+            "cache for batches, or a batch of one for the static cache."
+        )
+    if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
+        raise ValueError(
+            "Jakiro decoding of a batch (B > 1) does not return per-step scores or logits (output_scores / "
+            "output_logits): plain generate keeps computing them for rows that have finished, from pad tokens, and "
+            "tree decoding drops finished rows. Generate one row at a time for scores, or leave them out."
+        )
+    if streamer is not None:
+        raise ValueError("Streamers take one sequence; transformers' streamers refuse batches too. Stream one row at a time.")
+
+
+@dataclasses.dataclass
+class _Row:
+    """One row of the batch: where it stands in the output and in the current batch."""
+
+    index: int  # row in the caller's batch
+    sequence: torch.LongTensor  # [1, length]: the row's padded prompt and its tokens so far
+    processors: LogitsProcessorList
+    stats: JakiroGenerationStats
+
+
+def _batch_tree_settings(settings: TreeSettings, batch: int) -> TreeSettings:
+    total, depth, top_k = adaptive.batch_tree(settings.total_tokens, settings.depth, settings.top_k, batch)
+    return dataclasses.replace(settings, total_tokens=total, depth=depth, top_k=top_k)
+
+
+def _stack_trees(trees: list[DraftTree]):
+    """Every row's tree padded to the largest (`DraftTree.padded`): tokens, depths [rows, n], ancestors [rows, n, n]."""
+    size = max(tree.num_nodes for tree in trees)
+    padded = [tree if tree.num_nodes == size else tree.padded(size) for tree in trees]
+    return (
+        torch.stack([tree.tokens for tree in padded]),
+        torch.stack([tree.depths for tree in padded]),
+        torch.stack([tree.ancestors for tree in padded]),
+    )
+
+
+@torch.no_grad()
+def batch_decode(
+    target,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    draft: JakiroDraftModel,
+    streamer=None,
+    settings: TreeSettings | None = None,
+    **model_kwargs,
+):
+    """The decoding loop for a batch (see the module docstring); the inputs are checked as for one row
+    (`target_inputs.check_supported`) before this is called."""
+    settings = _batch_tree_settings(settings or TreeSettings.resolve(draft), input_ids.shape[0])
+    cache = target_cache(target, model_kwargs, generation_config, settings.max_nodes)
+    _check_batch_supported(generation_config, cache, streamer)
+    batch, length = input_ids.shape
+    attention_mask = model_kwargs.get("attention_mask")
+    paddings = left_paddings(attention_mask, batch, length)
+    check_position_ids(model_kwargs.get("position_ids"), paddings, length)
+    do_sample = generation_config.do_sample
+    device = target.get_input_embeddings().weight.device
+    cache_arg = cache_kwarg(target)
+    input_ids = input_ids.to(device)
+    started = time.perf_counter()
+    rows = [
+        _Row(i, input_ids[i : i + 1], processors_for_row(logits_processor, i), JakiroGenerationStats())
+        for i in range(batch)
+    ]
+    stats = JakiroGenerationStats(rows=[row.stats for row in rows])
+    finished: dict[int, torch.LongTensor] = {}
+
+    # Prefill: the padded prompts in one forward, as in plain generate.
+    tic = time.perf_counter()
+    key_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)).bool()
+    positions = (key_mask.long().cumsum(1) - 1).clamp(min=0)
+    with TargetFeatures(target, draft.config.target_feature_layers) as hidden:
+        out = target(
+            input_ids=input_ids, attention_mask=key_mask.long(), position_ids=positions, use_cache=True,
+            **hidden.forward_kwargs(), **({"logits_to_keep": 1} if forward_accepts(target, "logits_to_keep") else {}),
+            **{cache_arg: cache},
+        )
+        features = hidden.take(out)
+    raw = out.logits[:, -1].float()
+    del out
+    processed = logits_processor(input_ids, raw.clone())
+    first = verification.target_choices(processed, do_sample)
+    first_ids = first.tolist()
+    drafter = BatchDrafter(draft, settings, batch)
+    for r, start in enumerate(paddings):  # the draft reads real positions only: left padding never enters its cache
+        drafter.queue(r, features[r, start:], torch.cat([input_ids[r, start + 1 :], first[r : r + 1]]))
+        drafter.extend_context(r, input_ids[r, start:].tolist() + [first_ids[r]])
+    del features
+    present = key_mask.sum(1)  # each row's cached real tokens: the position of its root
+    stats.verify_time_s += time.perf_counter() - tic
+    done = _emit(rows, [first[r : r + 1] for r in range(batch)], [[t] for t in first_ids],
+                 [processed[r : r + 1] for r in range(batch)], stopping_criteria, "prefill", stats)
+    roots = first
+
+    controller = adaptive.controller_for(target, draft, settings, False, False, batch_size=batch)
+    while True:
+        active = [r for r in range(len(rows)) if r not in done]
+        for r in done:
+            finished[rows[r].index] = rows[r].sequence
+        if not active:
+            break
+        if len(active) < len(rows):  # finished rows leave the batch, and so do columns that are holes in every row
+            index = torch.tensor(active, device=device)
+            select_rows(cache, index)
+            key_mask, present, roots = key_mask[index], present[index], roots[index]
+            drafter.select(active)
+            rows = [rows[r] for r in active]
+            keep = key_mask.any(dim=0)
+            if not bool(keep.all()):
+                columns = torch.nonzero(keep).flatten()
+                select_positions(cache, columns)
+                key_mask = key_mask[:, columns]
+
+        tic = round_started = time.perf_counter()
+        chains = drafter.chains() if settings.lookup_tokens > 0 else None
+        ready = chains is not None and any(chains)
+        choice = controller.choose(ready) if controller is not None else None
+        kind = "tree" if choice is None else choice.kind
+        if kind == "tree":
+            size = (settings.total_tokens, settings.depth, settings.top_k) if choice is None else (
+                choice.total_tokens, choice.depth, choice.top_k)
+            trees = drafter.trees(roots, *size, chains=chains)
+            name = adaptive.RoundChoice("tree", *size).name
+        else:
+            if kind == "lookup":
+                chains = drafter.chains(whole=True)
+            trees = [DraftTree.root_only(root) for root in roots.to(draft.fc.weight.device)]
+            if kind == "lookup":
+                trees = [graft_chains(tree, row_chains) for tree, row_chains in zip(trees, chains)]
+            name = kind
+        trees = [tree.to_device(device) for tree in trees]
+        stats.draft_time_s += time.perf_counter() - tic
+
+        tic = time.perf_counter()
+        tokens, depths, ancestors = _stack_trees(trees)
+        cached = key_mask.shape[1]
+        visible = torch.cat([key_mask[:, None, :].expand(-1, tokens.shape[1], -1), ancestors], dim=2)
+        mask = torch.zeros(visible.shape, dtype=target.dtype, device=device)
+        mask = mask.masked_fill(~visible, torch.finfo(target.dtype).min)[:, None]
+        with TargetFeatures(target, draft.config.target_feature_layers) as hidden:
+            out = target(
+                input_ids=tokens, position_ids=present[:, None] + depths, attention_mask=mask, use_cache=True,
+                **hidden.forward_kwargs(), **{cache_arg: cache},
+            )
+            features = hidden.take(out)
+        raw = out.logits.float()
+        del out
+
+        # Each row's verdict by the one-row rule; one device-to-host copy for the whole batch.
+        fetch, verdicts = [], []
+        for r, (row, tree) in enumerate(zip(rows, trees)):
+            n = tree.num_nodes
+            row_processed = process_tree_logits(row.processors, row.sequence, tree, raw[r, :n])
+            path, bonus = verification.verify(tree, row_processed, do_sample)
+            verdicts.append((path, bonus, row_processed))
+            lookup = tree.from_lookup
+            counted = (lookup[path.clamp(min=0)] & (path >= 0)).sum()[None] if lookup is not None else path.new_zeros(1)
+            fetch.append(torch.cat([path, tree.tokens[path.clamp(min=0)], bonus[None], counted]))
+        host = torch.cat(fetch).tolist()
+        paths, new_tokens, token_ids, scores, lookup_counts = [], [], [], [], []
+        at = 0
+        for (path, bonus, row_processed), tree in zip(verdicts, trees):
+            width = path.numel()
+            chunk = host[at : at + 2 * width + 2]
+            at += 2 * width + 2
+            m = sum(node >= 0 for node in chunk[:width])
+            paths.append(path[:m])
+            ids = chunk[width + 1 : width + m] + [chunk[2 * width]]
+            token_ids.append(ids)
+            new_tokens.append(torch.cat([tree.tokens[path[1:m]], bonus[None]]))
+            scores.append(row_processed[path[:m]])
+            lookup_counts.append(chunk[-1] if tree.from_lookup is not None else None)
+
+        # Every row keeps M entries after the prefix: its accepted nodes, then holes.
+        most = max(path.numel() for path in paths)
+        nodes = torch.zeros(len(rows), most, dtype=torch.long, device=device)
+        for r, path in enumerate(paths):
+            nodes[r, : path.numel()] = path
+        lengths = torch.tensor([path.numel() for path in paths], device=device)
+        valid = torch.arange(most, device=device)[None, :] < lengths[:, None]
+        keep_accepted_rows(cache, cached, nodes)
+        key_mask = torch.cat([key_mask, valid], dim=1)
+        present = present + lengths
+        roots = torch.stack([tokens_r[-1] for tokens_r in new_tokens])
+        stats.verify_time_s += time.perf_counter() - tic
+
+        done = _emit(rows, new_tokens, token_ids, scores, stopping_criteria, name, stats)
+        for r, path in enumerate(paths):
+            if r not in done:
+                drafter.queue(r, features[r, path], new_tokens[r])
+                drafter.extend_context(r, token_ids[r], lookup_counts[r])
+        if controller is not None:
+            mean_tokens = sum(len(ids) for ids in token_ids) / len(token_ids)
+            controller.record(choice, mean_tokens, time.perf_counter() - round_started)
+
+    if controller is not None:
+        adaptive.remember(controller, draft)
+    stats.total_time_s = time.perf_counter() - started
+    draft.last_generation_stats = stats
+    sequences = _padded_output(finished, batch, generation_config)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    # The cache holds holes between each row's tokens and no entries for finished rows' padding: it cannot be
+    # continued as plain generate's can, so none is returned.
+    return GenerateDecoderOnlyOutput(sequences=sequences)
+
+
+def _emit(rows, new_tokens, token_ids, scores, stopping_criteria, choice: str, stats) -> set[int]:
+    """Append each row's new tokens, checking the stopping criteria after every token (one host read for the whole
+    batch); returns the rows that finished. Each row's tokens after its first stop are dropped."""
+    starts = [row.sequence.shape[1] for row in rows]
+    for row, tokens in zip(rows, new_tokens):
+        row.sequence = torch.cat([row.sequence, tokens[None].to(row.sequence.device)], dim=1)
+    verdicts = [
+        stop_verdicts(stopping_criteria, row.sequence, start, row_scores, len(ids))
+        for row, start, row_scores, ids in zip(rows, starts, scores, token_ids)
+    ]
+    flat = torch.cat(verdicts).tolist()
+    done, at, added = set(), 0, 0
+    for r, (row, ids) in enumerate(zip(rows, token_ids)):
+        stops = flat[at : at + len(ids)]
+        at += len(ids)
+        count = stops.index(True) + 1 if True in stops else len(ids)
+        row.sequence = row.sequence[:, : starts[r] + count]
+        row.stats.record(count, choice)
+        added += count
+        if True in stops:
+            done.add(r)
+    stats.record(added, choice)
+    return done
+
+
+def _padded_output(finished: dict, batch: int, generation_config: GenerationConfig) -> torch.LongTensor:
+    """The rows in the caller's order, each padded on the right with `pad_token_id` to the longest, as plain
+    generate pads rows that finished early."""
+    longest = max(sequence.shape[1] for sequence in finished.values())
+    pad = generation_config._pad_token_tensor
+    if pad is None and any(sequence.shape[1] < longest for sequence in finished.values()):
+        raise ValueError("Rows of a batch finished at different lengths and no pad_token_id is set to fill them: set "
+                         "pad_token_id (plain generate needs it for batches too).")
+    out = []
+    for i in range(batch):
+        sequence = finished[i]
+        fill = longest - sequence.shape[1]
+        if fill:
+            sequence = torch.cat([sequence, pad.to(sequence).reshape(1, 1).expand(1, fill)], dim=1)
+        out.append(sequence)
+    return torch.cat(out)
+
+
+__all__ = ["batch_decode"]
