@@ -179,3 +179,4 @@ def test_smollm2_batch_of_four_chat_prompts_and_pipeline(smollm2):
     plain = generator(chats, batch_size=4, **kwargs)
     jakiro = generator(chats, batch_size=4, assistant_model=draft, **kwargs)
     assert [out[0]["generated_text"] for out in jakiro] == [out[0]["generated_text"] for out in plain]
+    assert len(draft.last_generation_stats.rows) == 4  # the pipeline handed the draft one batch of four

@@ -69,14 +69,38 @@ def add_arguments(parser) -> None:
                         help="distinct n-gram lookup chains per round for jakiro_lookup (default: the head's)")
     parser.add_argument("--out", default=None, help="directory for results.json, results.md, speedup.png")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-sizes", default=None, metavar="1,2,4,8",
+                        help="batch throughput instead: plain batched generate, jakiro and jakiro_lookup at each batch "
+                             "size on the suites' first turns (--temperature: the first value)")
     parser.add_argument("--update-head", action="store_true", help="write the results into the --draft directory: "
                         "tuned tree settings into config.json (with --tune), headline numbers into the model card")
+
+
+def run_batches(args, target, tokenizer) -> int:
+    from .batches import batch_table, run_batch_benchmark, write_batch_outputs
+
+    if not args.draft:
+        raise SystemExit("bench: --batch-sizes needs --draft")
+    draft = load_draft(args.draft, target)
+    result = run_batch_benchmark(
+        target, tokenizer, draft, batch_sizes=[int(b) for b in _csv(args.batch_sizes)], suites=_csv(args.suite),
+        num_prompts=args.num_prompts, data_dir=args.data_dir, temperature=float(_csv(args.temperature)[0]),
+        max_new_tokens=args.max_new_tokens, lookup_tokens=args.lookup_tokens, seed=args.seed,
+        labels={"target": args.target, "draft": args.draft},
+    )
+    print()
+    print(batch_table(result))
+    if args.out:
+        print(f"bench: wrote {', '.join(v for v in write_batch_outputs(result, args.out).values() if v)}")
+    return 0
 
 
 def run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target, tokenizer = load_target_or_explain(args.target, args.dtype)
     target.to(device)
+    if args.batch_sizes:
+        return run_batches(args, target, tokenizer)
     methods = _csv(args.methods) if args.methods else None
     draft = load_draft(args.draft, target) if args.draft else None
     assistant = None

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import LogitsProcessorList
 
-from ..decoding import _cache_kwarg, lazy_leaf_head, verify_tree
+from ..decoding import lazy_leaf_head, verify_tree
+from ..target_inputs import cache_kwarg
 from ..drafting import JakiroCandidateGenerator, TreeSettings
 from ..features import TargetFeatures
 from ..kv_cache import new_target_cache, truncate
@@ -94,11 +95,11 @@ def measure_costs(target, draft, input_ids, sizes=TUNE_SIZES, depths=TUNE_DEPTHS
 
     draft.bind_target(target)
     device = input_ids.device
-    cache_kwarg = _cache_kwarg(target)
+    cache_arg = cache_kwarg(target)
     cache = new_target_cache(target.config)
     layers = draft.config.target_feature_layers
     with TargetFeatures(target, layers) as hidden:
-        out = target(input_ids=input_ids, use_cache=True, **hidden.forward_kwargs(), **{cache_kwarg: cache})
+        out = target(input_ids=input_ids, use_cache=True, **hidden.forward_kwargs(), **{cache_arg: cache})
         features = hidden.take(out)[0]
     past = cache.get_seq_length()
     context = torch.cat([input_ids, out.logits[:, -1:].argmax(-1)], dim=1)
@@ -129,10 +130,10 @@ def measure_costs(target, draft, input_ids, sizes=TUNE_SIZES, depths=TUNE_DEPTHS
 
         def verify():
             if n == 0:  # plain decoding: one token, its logits
-                target(input_ids=tree.tokens[None], use_cache=True, **{cache_kwarg: cache})
+                target(input_ids=tree.tokens[None], use_cache=True, **{cache_arg: cache})
             else:  # the whole verification round as decoding runs it
                 verify_tree(
-                    target, cache, cache_kwarg, tree, context, LogitsProcessorList(), False, leaf_head,
+                    target, cache, cache_arg, tree, context, LogitsProcessorList(), False, leaf_head,
                     feature_layers=layers,
                 )
             truncate(cache, past)
