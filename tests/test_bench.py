@@ -292,3 +292,30 @@ def test_tree_option_overrides_the_heads_settings(models):
     assert settings["lookup_chains (jakiro_lookup)"] == 2
     labels = list(bench.head_metrics(result))
     assert labels and all("with n-gram lookup (7 tokens x 2 chains)" in label for label in labels)
+
+
+def test_batch_throughput_benchmark(models, tmp_path):
+    """`jakiro bench --batch-sizes`: every method at every batch size on whole batches of the same prompts, plain's
+    speedup 1, every greedy Jakiro row identical to plain batched generate, the files written."""
+    from transformers_jakiro.bench.batches import batch_table, row_lengths, run_batch_benchmark, write_batch_outputs
+
+    target, tokenizer, draft, _ = models
+    texts = ["Say hi.", "Count to three please.", "def f(x):", "Name a colour."]
+    (tmp_path / "mt_bench.jsonl").write_text("".join(json.dumps({"id": i, "turns": [t]}) + "\n" for i, t in enumerate(texts)))
+    result = run_batch_benchmark(target, tokenizer, draft, batch_sizes=(1, 3), suites=("mt_bench",),
+                                 data_dir=tmp_path, max_new_tokens=10, log=lambda _: None)
+    rows = {(r["batch_size"], r["method"]): r for r in result["results"]}
+    assert set(rows) == {(b, m) for b in (1, 3) for m in ("plain", "jakiro", "jakiro_lookup")}
+    assert rows[(1, "plain")]["rows"] == 4 and rows[(3, "plain")]["rows"] == 3  # whole batches only
+    for (size, method), row in rows.items():
+        assert row["match_rate"] == 1.0 and row["tokens_per_s"] > 0
+        if method == "plain":
+            assert row["speedup"] == 1.0 and row["tau_per_row"] is None
+        else:
+            assert row["tau_per_row"] >= 1.0 and row["tree_per_row"]
+    assert rows[(3, "jakiro")]["tree_per_row"] == "4/3/4"  # the draft's 12/3/4 shared by 3 rows
+    files = write_batch_outputs(result, tmp_path / "out")
+    assert json.loads(open(files["json"]).read())["config"]["batch_sizes"] == [1, 3]
+    assert "| 3 | jakiro | 4/3/4 |" in batch_table(result)
+    eos = tokenizer.eos_token_id
+    assert row_lengths(torch.tensor([[5, eos, eos], [5, 6, 7]]), {eos}) == [2, 3]
