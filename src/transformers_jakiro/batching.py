@@ -230,7 +230,8 @@ def batch_decode(
             nodes[r, : path.numel()] = path
         lengths = torch.tensor([path.numel() for path in paths], device=device)
         valid = torch.arange(most, device=device)[None, :] < lengths[:, None]
-        keep_accepted_rows(cache, cached, nodes)
+        if tokens.shape[1] > 1:  # a plain round's one entry per row is already in place
+            keep_accepted_rows(cache, cached, nodes)
         key_mask = torch.cat([key_mask, valid], dim=1)
         present = present + lengths
         roots = torch.stack([tokens_r[-1] for tokens_r in new_tokens])

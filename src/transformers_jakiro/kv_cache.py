@@ -103,10 +103,12 @@ def keep_accepted_rows(cache, prefix_length: int, nodes: torch.LongTensor) -> No
     for layer in _dynamic_layers(cache):
         rows, heads, _, width = layer.keys.shape
         index = nodes.to(layer.keys.device)[:, None, :, None].expand(rows, heads, -1, width)
-        keys = layer.keys[:, :, prefix_length:].gather(2, index)
-        values = layer.values[:, :, prefix_length:].gather(2, index)
-        layer.keys = torch.cat([layer.keys[:, :, :prefix_length], keys], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :prefix_length], values], dim=2)
+        # gather copies first, so sources that the write overwrites (nodes[r, j] >= j) are read intact; the prefix is
+        # not copied (a view of the first prefix_length + m positions is kept, as `keep_accepted` does).
+        end = prefix_length + nodes.shape[1]
+        layer.keys[:, :, prefix_length:end] = layer.keys[:, :, prefix_length:].gather(2, index)
+        layer.values[:, :, prefix_length:end] = layer.values[:, :, prefix_length:].gather(2, index)
+        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
 
 
 def select_rows(cache, rows: torch.LongTensor) -> None:
