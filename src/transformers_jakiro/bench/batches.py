@@ -202,7 +202,12 @@ def write_batch_outputs(result: dict, out_dir) -> dict:
     if not plot_batches(result, files["plot"]):
         files["plot"] = None
     result["files"] = {k: str(v) if v else None for k, v in files.items()}
-    files["markdown"].write_text(batch_table(result))
+    machine = result["machine"]
+    header = (f"Command: `{machine['command']}`\n\n{machine['cpu']}, {machine['torch_threads']} torch threads, "
+              f"{machine['dtype']}, torch {machine['torch']}, transformers {machine['transformers']}; "
+              f"temperature {result['config']['temperature']:g}, {result['config']['prompts']} prompts, "
+              f"{result['config']['max_new_tokens']} new tokens\n\n")
+    files["markdown"].write_text(header + batch_table(result))
     files["json"].write_text(json.dumps(result, indent=2) + "\n")
     return result["files"]
 
