@@ -30,6 +30,7 @@ cache length, `static_cache_length`, shared by the plain step and every tree siz
 """
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -40,7 +41,11 @@ import transformers
 from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig, LogitsProcessorList
 
 from transformers_jakiro import JakiroDraftModel
-from transformers_jakiro.decoding import cache_kwarg, verify_tree
+from transformers_jakiro.adaptive import batch_tree
+from transformers_jakiro.batch_drafting import BatchDrafter
+from transformers_jakiro.batching import BatchVerifier
+from transformers_jakiro.decoding import verify_tree
+from transformers_jakiro.target_inputs import cache_kwarg
 from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
 from transformers_jakiro.kv_cache import new_target_cache, truncate
 from transformers_jakiro.tree import DraftTree
@@ -95,15 +100,15 @@ def random_prompt(target, context: int, batch: int = 1, seed: int = 0) -> torch.
 @torch.no_grad()
 def measure_plain_eager(target, prompt, repeats: int, warmup: int) -> dict:
     """One token through the target over a DynamicCache at a fixed context (every batch row one token)."""
-    cache_kwarg = cache_kwarg(target)
+    cache_arg = cache_kwarg(target)
     context = prompt.shape[1]
     cache = new_target_cache(target.config)
-    out = target(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+    out = target(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
     first = out.logits[:, -1].argmax(-1, keepdim=True)
     del out
 
     def plain_step():
-        target(input_ids=first, use_cache=True, logits_to_keep=1, **{cache_kwarg: cache}).logits.argmax(-1).tolist()
+        target(input_ids=first, use_cache=True, logits_to_keep=1, **{cache_arg: cache}).logits.argmax(-1).tolist()
         truncate(cache, context)
 
     times = timed(plain_step, prompt.device, repeats, warmup)
@@ -114,10 +119,10 @@ def measure_plain_eager(target, prompt, repeats: int, warmup: int) -> dict:
 def measure_round_eager(target, draft, settings: TreeSettings, prompt, repeats: int, warmup: int) -> dict:
     """What `generate(..., assistant_model=draft)` does per iteration, at a fixed context (see the module doc)."""
     device = prompt.device
-    cache_kwarg = cache_kwarg(target)
+    cache_arg = cache_kwarg(target)
     context = prompt.shape[1]
     cache = new_target_cache(target.config)
-    out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_kwarg: cache})
+    out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_arg: cache})
     sequence = torch.cat([prompt, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     features = out.hidden_states[-1][0]
     del out
@@ -138,7 +143,7 @@ def measure_round_eager(target, draft, settings: TreeSettings, prompt, repeats: 
         tree = candidates.get_candidates(sequence)
         sync()
         middle = time.perf_counter()
-        verified = verify_tree(target, cache, cache_kwarg, tree, sequence, LogitsProcessorList(), do_sample=False)
+        verified = verify_tree(target, cache, cache_arg, tree, sequence, LogitsProcessorList(), do_sample=False)
         candidates.set_features(verified.features)
         sync()
         parts["draft"].append(1000 * (middle - start))
@@ -153,6 +158,43 @@ def measure_round_eager(target, draft, settings: TreeSettings, prompt, repeats: 
         "jakiro_round_ms": round(median(rounds), 3),
         "draft_ms": round(median(parts["draft"][warmup:]), 3), "verify_ms": round(median(parts["verify"][warmup:]), 3),
     }
+
+
+@torch.no_grad()
+def measure_batch_round_eager(target, draft, settings: TreeSettings, prompt, repeats: int, warmup: int) -> dict:
+    """One round of `generate(**batch, assistant_model=draft)` at a fixed context: every row's tree at the batch's tree
+    size (`adaptive.batch_tree`), drafted together (`BatchDrafter`), verified in one forward with the cache compacted
+    (`BatchVerifier`), against which `measure_plain_eager` on the same [batch, context] prompt is the plain step."""
+    batch, context = prompt.shape
+    device = prompt.device
+    cache = new_target_cache(target.config)
+    out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                 **{cache_kwarg(target): cache})
+    first = out.logits[:, -1].argmax(-1)
+    features = out.hidden_states[-1]
+    del out
+    size = batch_tree(settings.total_tokens, settings.depth, settings.top_k, batch)
+    tree = dataclasses.replace(settings, total_tokens=size[0], depth=size[1], top_k=size[2])
+    drafter = BatchDrafter(draft, tree, batch)
+    for row in range(batch):  # steady state: the draft has read the context but its last position
+        drafter.queue(row, features[row, :-1], prompt[row, 1:])
+    drafter.propose(prompt[:, -1])
+    for row in range(batch):
+        drafter.queue(row, features[row, -1:], first[row : row + 1])
+    verifier = BatchVerifier(target, cache, torch.ones_like(prompt, dtype=torch.bool))
+    states = drafter.snapshot(), verifier.snapshot()
+    sequences = [torch.cat([prompt[row], first[row : row + 1]])[None] for row in range(batch)]
+    processors = [LogitsProcessorList()] * batch
+
+    def batch_round():
+        drafter.restore(states[0])
+        verifier.restore(states[1])
+        trees, _ = drafter.propose(first)
+        verifier.verify(trees, sequences, processors, do_sample=False)
+
+    times = timed(batch_round, device, repeats, warmup)
+    return {"batch": batch, "tree_per_row": "/".join(map(str, size)),
+            "jakiro_round_ms": round(statistics.median(times), 3)}
 
 
 @torch.no_grad()
@@ -211,17 +253,17 @@ def measure_plain_compiled(target, prompt, forward, length: int, repeats: int, w
     """Plain: the prefill eager (as generate does), then one token per step through the compiled forward."""
     device = prompt.device
     context = prompt.shape[1]
-    cache_kwarg = cache_kwarg(target)
+    cache_arg = cache_kwarg(target)
     sync = _sync(device)
     plain_cache = new_target_cache(target.config, static_length=length)
-    out = target(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_kwarg: plain_cache})
+    out = target(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_arg: plain_cache})
     first = out.logits[:, -1].argmax(-1, keepdim=True)
     del out
     position = torch.full((prompt.shape[0], 1), context, device=device)
 
     def plain_step():
         forward(input_ids=first, position_ids=position, use_cache=True, logits_to_keep=1,
-                **{cache_kwarg: plain_cache}).logits.argmax(-1).tolist()
+                **{cache_arg: plain_cache}).logits.argmax(-1).tolist()
         truncate(plain_cache, context)
 
     graphs = _graphs()
@@ -241,11 +283,11 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, forwar
     """The Jakiro round as `generate(..., assistant_model=draft, cache_implementation="static")` runs it."""
     device = prompt.device
     context = prompt.shape[1]
-    cache_kwarg = cache_kwarg(target)
+    cache_arg = cache_kwarg(target)
     sync = _sync(device)
     cache = new_target_cache(target.config, static_length=length)
     out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, logits_to_keep=1,
-                 **{cache_kwarg: cache})
+                 **{cache_arg: cache})
     sequence = torch.cat([prompt, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     features = out.hidden_states[-1][0]
     del out
@@ -265,7 +307,7 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, forwar
         tree: DraftTree = candidates.get_candidates(sequence).padded(settings.max_nodes)
         sync()
         middle = time.perf_counter()
-        verified = verify_tree(target, cache, cache_kwarg, tree, sequence, LogitsProcessorList(), False,
+        verified = verify_tree(target, cache, cache_arg, tree, sequence, LogitsProcessorList(), False,
                                past=context, forward=forward)
         candidates.set_features(verified.features)
         sync()

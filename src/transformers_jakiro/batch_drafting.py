@@ -18,6 +18,7 @@ flattening and lookup on the host; everything on the device is one call per leve
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .adaptive import RoundChoice
 from .drafting import TreeSettings, draft_log_probs
 from .kv_cache import select_positions, select_rows, truncate
 from .lookup import NgramIndex
@@ -70,6 +71,37 @@ class BatchDrafter:
             [] if index is None else index.chains(settings.lookup_tokens if whole else length, settings.lookup_chains)
             for index, length in zip(self.lookup, self.lookup_length)
         ]
+
+    def lookup_ready(self) -> bool:
+        """Whether the n-gram lookup offers a chain to some row this round."""
+        return any(self.chains()) if self.settings.lookup_tokens > 0 else False
+
+    def propose(self, roots: torch.LongTensor, choice: RoundChoice | None = None) -> tuple[list[DraftTree], str]:
+        """This round's trees, one per row, and the choice's name (`adaptive.RoundChoice.name`): the tree of the
+        choice's size (without a choice, the settings' tree) with each row's lookup chains grafted, lookup chains
+        alone (whole chains, as prompt lookup proposes them; a row without a chain verifies its root alone), or the
+        roots alone (a plain batched step). Rounds without a draft forward leave the queued positions for later."""
+        settings = self.settings
+        kind = "tree" if choice is None else choice.kind
+        if kind == "tree":
+            size = (settings.total_tokens, settings.depth, settings.top_k) if choice is None else (
+                choice.total_tokens, choice.depth, choice.top_k)
+            chains = self.chains() if settings.lookup_tokens > 0 else None
+            return self.trees(roots, *size, chains=chains), RoundChoice("tree", *size).name
+        trees = [DraftTree.root_only(root) for root in roots.to(self.draft.fc.weight.device)]
+        if kind == "lookup":
+            trees = [graft_chains(tree, chains) for tree, chains in zip(trees, self.chains(whole=True))]
+        return trees, kind
+
+    def snapshot(self):
+        """The state `restore` returns to (benchmarks replaying one round)."""
+        return (self.cache.get_seq_length(), self.key_mask, list(self.present), [list(q) for q in self.queued],
+                list(self.lookup_length))
+
+    def restore(self, state) -> None:
+        length, self.key_mask, present, queued, lookup_length = state
+        truncate(self.cache, length)
+        self.present, self.queued, self.lookup_length = list(present), [list(q) for q in queued], list(lookup_length)
 
     def select(self, rows: list[int]) -> None:
         """Keep these rows (indices into the current batch), in this order."""

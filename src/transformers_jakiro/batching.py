@@ -33,12 +33,12 @@ from . import adaptive, verification
 from .batch_drafting import BatchDrafter
 from .drafting import TreeSettings
 from .features import TargetFeatures
-from .kv_cache import is_static, keep_accepted_rows, select_positions, select_rows
+from .kv_cache import is_static, keep_accepted_rows, select_positions, select_rows, truncate
 from .logits import process_tree_logits, processors_for_row
 from .modeling_jakiro import JakiroDraftModel
 from .stats import JakiroGenerationStats
 from .target_inputs import cache_kwarg, check_position_ids, forward_accepts, left_paddings, stop_verdicts, target_cache
-from .tree import DraftTree, graft_chains
+from .tree import DraftTree
 
 
 def _check_batch_supported(generation_config: GenerationConfig, cache, streamer) -> None:
@@ -84,6 +84,105 @@ def _stack_trees(trees: list[DraftTree]):
     )
 
 
+@dataclasses.dataclass
+class BatchVerdict:
+    """What one batch round accepted, per row (lists in the batch's row order; tensors on the target's device).
+
+    paths: accepted nodes, root first. tokens: the round's new tokens (accepted draft tokens, then the bonus).
+    token_ids: the same on the host. scores: processed logits at the path's nodes (the new tokens' scores).
+    lookup_accepted: accepted nodes only the n-gram lookup proposed (None without lookup nodes).
+    features: [rows, n, width] the target's features at every node (the draft reads the paths' next round)."""
+
+    paths: list
+    tokens: list
+    token_ids: list
+    scores: list
+    lookup_accepted: list
+    features: torch.Tensor
+
+
+class BatchVerifier:
+    """The target's side of a batch: its cache with the key mask of present entries (left padding and holes absent;
+    see the module docstring) and each row's next position. `verify` runs one round for every row."""
+
+    def __init__(self, target, cache, key_mask: torch.BoolTensor, feature_layers=()):
+        self.target, self.cache, self.key_mask = target, cache, key_mask
+        self.present = key_mask.sum(1)  # each row's cached real tokens: the position of its root
+        self.feature_layers = feature_layers
+        self.cache_arg = cache_kwarg(target)
+
+    def snapshot(self):
+        """The state `restore` returns to (benchmarks replaying one round)."""
+        return self.key_mask.shape[1], self.key_mask, self.present
+
+    def restore(self, state) -> None:
+        length, self.key_mask, self.present = state
+        truncate(self.cache, length)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep these rows, in this order; cache columns that are then holes in every row go too."""
+        index = torch.tensor(rows, device=self.key_mask.device)
+        select_rows(self.cache, index)
+        self.key_mask, self.present = self.key_mask[index], self.present[index]
+        keep = self.key_mask.any(dim=0)
+        if not bool(keep.all()):
+            columns = torch.nonzero(keep).flatten()
+            select_positions(self.cache, columns)
+            self.key_mask = self.key_mask[:, columns]
+
+    def verify(self, trees: list[DraftTree], sequences, processors, do_sample: bool) -> BatchVerdict:
+        """One forward over every row's tree (padded to one size), each row's acceptance by the one-row rule with its
+        own `sequences[r]` ([1, length], ending with its root) and `processors[r]`, one device-to-host copy for the
+        batch, and the cache compacted: every row keeps M = the longest path's entries, its own path then holes."""
+        target, device = self.target, self.key_mask.device
+        tokens, depths, ancestors = _stack_trees(trees)
+        cached = self.key_mask.shape[1]
+        visible = torch.cat([self.key_mask[:, None, :].expand(-1, tokens.shape[1], -1), ancestors], dim=2)
+        mask = torch.zeros(visible.shape, dtype=target.dtype, device=device)
+        mask = mask.masked_fill(~visible, torch.finfo(target.dtype).min)[:, None]
+        with TargetFeatures(target, self.feature_layers) as hidden:
+            out = target(
+                input_ids=tokens, position_ids=self.present[:, None] + depths, attention_mask=mask, use_cache=True,
+                **hidden.forward_kwargs(), **{self.cache_arg: self.cache},
+            )
+            features = hidden.take(out)
+        raw = out.logits.float()
+        del out
+
+        fetch, picks = [], []
+        for r, tree in enumerate(trees):
+            processed = process_tree_logits(processors[r], sequences[r], tree, raw[r, : tree.num_nodes])
+            path, bonus = verification.verify(tree, processed, do_sample)
+            picks.append((path, bonus, processed))
+            lookup = tree.from_lookup
+            counted = (lookup[path.clamp(min=0)] & (path >= 0)).sum()[None] if lookup is not None else path.new_zeros(1)
+            fetch.append(torch.cat([path, tree.tokens[path.clamp(min=0)], bonus[None], counted]))
+        host = torch.cat(fetch).tolist()
+        verdict = BatchVerdict([], [], [], [], [], features)
+        at = 0
+        for (path, bonus, processed), tree in zip(picks, trees):
+            width = path.numel()
+            chunk = host[at : at + 2 * width + 2]
+            at += 2 * width + 2
+            m = sum(node >= 0 for node in chunk[:width])
+            verdict.paths.append(path[:m])
+            verdict.token_ids.append(chunk[width + 1 : width + m] + [chunk[2 * width]])
+            verdict.tokens.append(torch.cat([tree.tokens[path[1:m]], bonus[None]]))
+            verdict.scores.append(processed[path[:m]])
+            verdict.lookup_accepted.append(chunk[-1] if tree.from_lookup is not None else None)
+
+        most = max(path.numel() for path in verdict.paths)
+        nodes = torch.zeros(len(trees), most, dtype=torch.long, device=device)
+        for r, path in enumerate(verdict.paths):
+            nodes[r, : path.numel()] = path
+        lengths = torch.tensor([path.numel() for path in verdict.paths], device=device)
+        if tokens.shape[1] > 1:  # a plain round's one entry per row is already in place
+            keep_accepted_rows(self.cache, cached, nodes)
+        self.key_mask = torch.cat([self.key_mask, torch.arange(most, device=device)[None, :] < lengths[:, None]], 1)
+        self.present = self.present + lengths
+        return verdict
+
+
 @torch.no_grad()
 def batch_decode(
     target,
@@ -107,7 +206,6 @@ def batch_decode(
     check_position_ids(model_kwargs.get("position_ids"), paddings, length)
     do_sample = generation_config.do_sample
     device = target.get_input_embeddings().weight.device
-    cache_arg = cache_kwarg(target)
     input_ids = input_ids.to(device)
     started = time.perf_counter()
     rows = [
@@ -125,7 +223,7 @@ def batch_decode(
         out = target(
             input_ids=input_ids, attention_mask=key_mask.long(), position_ids=positions, use_cache=True,
             **hidden.forward_kwargs(), **({"logits_to_keep": 1} if forward_accepts(target, "logits_to_keep") else {}),
-            **{cache_arg: cache},
+            **{cache_kwarg(target): cache},
         )
         features = hidden.take(out)
     raw = out.logits[:, -1].float()
@@ -138,7 +236,7 @@ def batch_decode(
         drafter.queue(r, features[r, start:], torch.cat([input_ids[r, start + 1 :], first[r : r + 1]]))
         drafter.extend_context(r, input_ids[r, start:].tolist() + [first_ids[r]])
     del features
-    present = key_mask.sum(1)  # each row's cached real tokens: the position of its root
+    verifier = BatchVerifier(target, cache, key_mask, draft.config.target_feature_layers)
     stats.verify_time_s += time.perf_counter() - tic
     done = _emit(rows, [first[r : r + 1] for r in range(batch)], [[t] for t in first_ids],
                  [processed[r : r + 1] for r in range(batch)], stopping_criteria, "prefill", stats)
@@ -151,97 +249,29 @@ def batch_decode(
             finished[rows[r].index] = rows[r].sequence
         if not active:
             break
-        if len(active) < len(rows):  # finished rows leave the batch, and so do columns that are holes in every row
-            index = torch.tensor(active, device=device)
-            select_rows(cache, index)
-            key_mask, present, roots = key_mask[index], present[index], roots[index]
+        if len(active) < len(rows):  # finished rows leave the batch
+            verifier.select(active)
             drafter.select(active)
+            roots = roots[torch.tensor(active, device=roots.device)]
             rows = [rows[r] for r in active]
-            keep = key_mask.any(dim=0)
-            if not bool(keep.all()):
-                columns = torch.nonzero(keep).flatten()
-                select_positions(cache, columns)
-                key_mask = key_mask[:, columns]
 
         tic = round_started = time.perf_counter()
-        chains = drafter.chains() if settings.lookup_tokens > 0 else None
-        ready = chains is not None and any(chains)
-        choice = controller.choose(ready) if controller is not None else None
-        kind = "tree" if choice is None else choice.kind
-        if kind == "tree":
-            size = (settings.total_tokens, settings.depth, settings.top_k) if choice is None else (
-                choice.total_tokens, choice.depth, choice.top_k)
-            trees = drafter.trees(roots, *size, chains=chains)
-            name = adaptive.RoundChoice("tree", *size).name
-        else:
-            if kind == "lookup":
-                chains = drafter.chains(whole=True)
-            trees = [DraftTree.root_only(root) for root in roots.to(draft.fc.weight.device)]
-            if kind == "lookup":
-                trees = [graft_chains(tree, row_chains) for tree, row_chains in zip(trees, chains)]
-            name = kind
+        choice = controller.choose(drafter.lookup_ready()) if controller is not None else None
+        trees, name = drafter.propose(roots, choice)
         trees = [tree.to_device(device) for tree in trees]
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
-        tokens, depths, ancestors = _stack_trees(trees)
-        cached = key_mask.shape[1]
-        visible = torch.cat([key_mask[:, None, :].expand(-1, tokens.shape[1], -1), ancestors], dim=2)
-        mask = torch.zeros(visible.shape, dtype=target.dtype, device=device)
-        mask = mask.masked_fill(~visible, torch.finfo(target.dtype).min)[:, None]
-        with TargetFeatures(target, draft.config.target_feature_layers) as hidden:
-            out = target(
-                input_ids=tokens, position_ids=present[:, None] + depths, attention_mask=mask, use_cache=True,
-                **hidden.forward_kwargs(), **{cache_arg: cache},
-            )
-            features = hidden.take(out)
-        raw = out.logits.float()
-        del out
-
-        # Each row's verdict by the one-row rule; one device-to-host copy for the whole batch.
-        fetch, verdicts = [], []
-        for r, (row, tree) in enumerate(zip(rows, trees)):
-            n = tree.num_nodes
-            row_processed = process_tree_logits(row.processors, row.sequence, tree, raw[r, :n])
-            path, bonus = verification.verify(tree, row_processed, do_sample)
-            verdicts.append((path, bonus, row_processed))
-            lookup = tree.from_lookup
-            counted = (lookup[path.clamp(min=0)] & (path >= 0)).sum()[None] if lookup is not None else path.new_zeros(1)
-            fetch.append(torch.cat([path, tree.tokens[path.clamp(min=0)], bonus[None], counted]))
-        host = torch.cat(fetch).tolist()
-        paths, new_tokens, token_ids, scores, lookup_counts = [], [], [], [], []
-        at = 0
-        for (path, bonus, row_processed), tree in zip(verdicts, trees):
-            width = path.numel()
-            chunk = host[at : at + 2 * width + 2]
-            at += 2 * width + 2
-            m = sum(node >= 0 for node in chunk[:width])
-            paths.append(path[:m])
-            ids = chunk[width + 1 : width + m] + [chunk[2 * width]]
-            token_ids.append(ids)
-            new_tokens.append(torch.cat([tree.tokens[path[1:m]], bonus[None]]))
-            scores.append(row_processed[path[:m]])
-            lookup_counts.append(chunk[-1] if tree.from_lookup is not None else None)
-
-        # Every row keeps M entries after the prefix: its accepted nodes, then holes.
-        most = max(path.numel() for path in paths)
-        nodes = torch.zeros(len(rows), most, dtype=torch.long, device=device)
-        for r, path in enumerate(paths):
-            nodes[r, : path.numel()] = path
-        lengths = torch.tensor([path.numel() for path in paths], device=device)
-        valid = torch.arange(most, device=device)[None, :] < lengths[:, None]
-        if tokens.shape[1] > 1:  # a plain round's one entry per row is already in place
-            keep_accepted_rows(cache, cached, nodes)
-        key_mask = torch.cat([key_mask, valid], dim=1)
-        present = present + lengths
+        verdict = verifier.verify(trees, [row.sequence for row in rows], [row.processors for row in rows], do_sample)
+        paths, new_tokens, token_ids = verdict.paths, verdict.tokens, verdict.token_ids
         roots = torch.stack([tokens_r[-1] for tokens_r in new_tokens])
         stats.verify_time_s += time.perf_counter() - tic
 
-        done = _emit(rows, new_tokens, token_ids, scores, stopping_criteria, name, stats)
+        done = _emit(rows, new_tokens, token_ids, verdict.scores, stopping_criteria, name, stats)
         for r, path in enumerate(paths):
             if r not in done:
-                drafter.queue(r, features[r, path], new_tokens[r])
-                drafter.extend_context(r, token_ids[r], lookup_counts[r])
+                drafter.queue(r, verdict.features[r, path], new_tokens[r])
+                drafter.extend_context(r, token_ids[r], verdict.lookup_accepted[r])
         if controller is not None:
             mean_tokens = sum(len(ids) for ids in token_ids) / len(token_ids)
             controller.record(choice, mean_tokens, time.perf_counter() - round_started)
@@ -301,4 +331,4 @@ def _padded_output(finished: dict, batch: int, generation_config: GenerationConf
     return torch.cat(out)
 
 
-__all__ = ["batch_decode"]
+__all__ = ["BatchVerdict", "BatchVerifier", "batch_decode"]
