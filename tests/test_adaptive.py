@@ -63,6 +63,22 @@ def test_a_choice_that_lost_is_tried_again_and_wins_when_the_text_changes():
     assert counts[FULL.name] > 80 and rate > 0.85 * 5 / 1.5
 
 
+def test_a_cost_measured_once_too_high_is_measured_again():
+    """The first plain step took three times its real cost (a warm-up, a busy moment): the tree, slower in truth,
+    wins on that one sample; plain is tried again after STALE_ROUNDS rounds and then wins."""
+    controller = RoundController([FULL, PLAIN])
+    first = {"plain": True}
+
+    def outcome(choice):
+        if choice.kind == "plain":
+            took, first["plain"] = (3.0 if first["plain"] else 1.0), False
+            return 1, took
+        return 1.5, 1.8  # 0.83 tokens/s against plain's 1.0
+
+    counts, rate = simulate(controller, outcome, rounds=300)
+    assert counts[PLAIN.name] > 200 and rate > 0.9
+
+
 def test_lookup_is_chosen_only_when_a_chain_is_ready():
     controller = RoundController(choices_for(24, 4, 6, True, False))
     counts, _ = simulate(controller, lambda c: (1, 1.0), rounds=50, lookup_ready=False)

@@ -18,7 +18,10 @@ the draft and the lookup get accepted) and the position in it, so the choice is 
                                   choice's recent weight)^2 (none for a plain step, whose yield is known). Choices
                                   with no cost yet are tried first, in the order of `choices_for`. A choice that
                                   lost is tried again once its yield has aged back towards its prior: every few tens
-                                  of rounds, at the cost of one round (about 3-5% in simulated rounds, tests).
+                                  of rounds, at the cost of one round (about 3-5% in simulated rounds, tests). And any
+                                  choice not tried for STALE_ROUNDS rounds, a plain step included, is tried once
+                                  more and its new time replaces the old: a cost measured once (a first round's
+                                  warm-up, a moment the machine was busy) then cannot rule a choice out for good.
 
 Exactness does not depend on the choice: every round is verified by the same rule, and the choice reads only past
 rounds (their tokens and times), never the round's own random draws, so sampling keeps the target's distribution.
@@ -35,6 +38,7 @@ DISCOUNT = 0.95  # weight of an observation one round older: the last ~20 rounds
 PRIOR_ROUNDS = 0.5  # the prior's weight, in rounds: enough to rank untried choices, little against measurements
 PRIOR_ACCEPTANCE = 0.55  # a tree's guessed acceptance per depth before anything was measured
 EXPLORATION = 0.3  # the exploration bonus, in tokens, of a choice not seen lately (a quarter after one round)
+STALE_ROUNDS = 60  # a choice not tried for this many rounds is tried again (its cost or yield may have changed)
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,8 @@ class RoundController:
         self.tokens = {c.name: RunningMean() for c in self.choices}
         self.costs = {c.name: RunningMean() for c in self.choices}
         self.rounds = 0
+        self.last_tried = {}  # the round in which each choice was last recorded
+        self._remeasure = None  # a stale choice being re-measured
 
     def expected_tokens(self, choice: RoundChoice) -> float:
         if choice.kind == "plain":
@@ -126,6 +132,10 @@ class RoundController:
         for choice in available:  # first, measure what each choice costs
             if self.expected_cost(choice) is None:
                 return choice
+        for choice in available:  # then re-measure what was not tried for long: the new time replaces the old
+            if self.rounds - self.last_tried.get(choice.name, 0) >= STALE_ROUNDS:
+                self._remeasure = choice.name
+                return choice
 
         def value(choice: RoundChoice) -> float:
             recent = self.tokens[choice.name].weight  # decays every round: what was not tried lately weighs little
@@ -140,6 +150,9 @@ class RoundController:
         """A round's outcome. Token yields age with every round (the text changes: a choice not tried for a while
         drifts back to its prior and is tried again); costs age only with their own rounds (the machine does not)."""
         self.rounds += 1
+        self.last_tried[choice.name] = self.rounds
+        if self._remeasure == choice.name:
+            self.costs[choice.name], self._remeasure = RunningMean(), None
         for mean in self.tokens.values():
             mean.decay()
         self.tokens[choice.name].add(float(tokens))
