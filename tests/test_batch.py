@@ -180,3 +180,13 @@ def test_smollm2_batch_of_four_chat_prompts_and_pipeline(smollm2):
     jakiro = generator(chats, batch_size=4, assistant_model=draft, **kwargs)
     assert [out[0]["generated_text"] for out in jakiro] == [out[0]["generated_text"] for out in plain]
     assert len(draft.last_generation_stats.rows) == 4  # the pipeline handed the draft one batch of four
+
+
+def test_padded_batch_without_attention_mask(pairs):
+    """Left padding with pad_token_id but no attention_mask: generate infers the mask from the pad tokens (with its
+    own warning), and the rows still match plain batched generate."""
+    target, draft = pairs("llama")
+    batch = random_batch(torch.Generator().manual_seed(21), 3)
+    kwargs = dict(do_sample=False, max_new_tokens=20, pad_token_id=0)
+    expected = target.generate(batch["input_ids"], **kwargs)
+    assert torch.equal(target.generate(batch["input_ids"], assistant_model=draft, **kwargs), expected)
