@@ -50,7 +50,8 @@ def _chat(server, prompt, **kwargs):
 
 
 def _stream(server, prompt, **kwargs):
-    chunks = list(_chat(server, prompt, stream=True, **kwargs))
+    # OpenAI's rule, which transformers follows from 5.25 on: a stream ends with usage only when asked for
+    chunks = list(_chat(server, prompt, stream=True, stream_options={"include_usage": True}, **kwargs))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = next((c.usage for c in reversed(chunks) if c.usage is not None), None)
     finish = next((c.choices[0].finish_reason for c in reversed(chunks) if c.choices and c.choices[0].finish_reason), None)

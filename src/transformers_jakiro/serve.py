@@ -45,6 +45,11 @@ only if transformers still has that function; without it the server runs unwrapp
 * sampled requests decode with the head's pinned tree (`adaptive=False`): the round controller chooses trees from
   measured times, which would make a seeded request's random draws, and so its answer, vary from run to run.
 
+transformers 5.25 runs each model in a process of its own (an engine the API process talks to): the checks then read
+the model's context and generation config from the prepared repository, the per-request lines are logged from the
+engine process to the same stderr, and a stream carries usage only when the request asks for it
+(`stream_options={"include_usage": true}`, OpenAI's rule).
+
 Seeds are transformers' behaviour: the server calls `torch.manual_seed(seed)` when a request arrives, so a seeded
 request repeats its answer when it is not queued behind another generate (as with plain `transformers serve`).
 Batch size is 1: requests never share a generate, a cache or a draft state.
@@ -207,15 +212,29 @@ def draft_for(model, settings: dict):
     return _DRAFTS[key]
 
 
+def _log_to_stderr() -> None:
+    """The per-request lines at INFO on stderr, also where the model runs in a process of its own (transformers 5.25
+    and later start one per model; its logging is not the server's)."""
+    if not logging.getLogger().handlers and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def serve_generate(model, settings: dict, *args, **kwargs):
     """What the server's `model.generate(...)` runs in a prepared repository: the target's own `generate` with the
     Jakiro draft (`custom_generate=jakiro_generate`), and one log line with the request's statistics."""
     from .decoding import jakiro_generate
 
+    _log_to_stderr()
     draft = draft_for(model, settings)
     extra = {k: settings[k] for k in ("lookup_tokens",) if k in settings}
-    config = kwargs.get("generation_config")
-    if getattr(config, "do_sample", False):
+    config = kwargs.get("generation_config")  # 5.17-5.24 pass a config; 5.25 passes its fields as keywords too
+    do_sample = kwargs.get("do_sample")
+    if do_sample is None:
+        do_sample = getattr(config if config is not None else model.generation_config, "do_sample", False)
+    if do_sample:
         # The round controller picks each round's tree from measured times, so two runs of one seeded request could
         # draw their random numbers over different trees: sampled requests use the head's pinned tree, and a seed
         # repeats its answer (greedy answers are the target's whatever the trees, and keep the controller).
@@ -386,6 +405,21 @@ def _loaded_model(model_manager):
     return None
 
 
+def _repository_configs(model_id: str):
+    """(model config, generation config) of the served repository, read from the (offline) cache; None where absent."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(model_id)
+    except (OSError, ValueError):
+        model_config = None
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_id)
+    except (OSError, ValueError):
+        generation_config = GenerationConfig.from_model_config(model_config) if model_config is not None else None
+    return model_config, generation_config
+
+
 def _warm_up(model, tokenizer) -> None:
     """One short generate through the model's (possibly Jakiro) `generate`, before the port opens."""
     import torch
@@ -426,15 +460,17 @@ def _server_main(config: dict) -> int:
 
             tokenizer = AutoTokenizer.from_pretrained(config["model_id"])
             model = _loaded_model(model_manager)
-            context = None
             if model is not None:
-                text_config = model.config.get_text_config(decoder=True)
-                context = getattr(text_config, "max_position_embeddings", None)
+                model_config, generation_config = model.config, getattr(model, "generation_config", None)
                 _warm_up(model, tokenizer)
+            else:  # 5.25 and later run the model in a process of its own: its configs are read from the repository
+                model_config, generation_config = _repository_configs(config["model_id"])
+            text_config = model_config.get_text_config(decoder=True) if model_config is not None else None
+            context = getattr(text_config, "max_position_embeddings", None)
             logger.warning("jakiro: serving %s (%s) on http://%s:%d/v1", config["model_id"],
                            "Jakiro draft " + config["settings"]["draft"] if config["settings"] else "no draft",
                            config["host"], config["port"])
-            return RequestChecks(app, tokenizer, context, getattr(model, "generation_config", None))
+            return RequestChecks(app, tokenizer, context, generation_config)
 
         tf_server.build_server = build_server
     else:
