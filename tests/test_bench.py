@@ -48,7 +48,8 @@ def test_every_method_and_outputs(models, tmp_path):
             assert row["speedup"] == 1.0
         if method in bench.TREE_METHODS:
             assert row["tau"] >= 1.0
-            assert row["efficiency"] == pytest.approx(row["speedup"] / row["tau"], rel=1e-3)
+            # both sides are rounded to 4 decimals: a small speedup needs an absolute tolerance too
+            assert row["efficiency"] == pytest.approx(row["speedup"] / row["tau"], rel=1e-3, abs=2e-4)
             assert row["papers_tau"] is None or row["papers_tau"] >= row["tau"]  # None: every generation 1 token
         else:
             assert row["tau"] is None and row["efficiency"] is None and row["papers_tau"] is None
