@@ -173,6 +173,10 @@ def test_smollm2_batch_of_four_chat_prompts_and_pipeline(smollm2):
     kwargs = dict(do_sample=False, max_new_tokens=40)
     expected = model.generate(**inputs, **kwargs)
     assert torch.equal(model.generate(**inputs, assistant_model=draft, **kwargs), expected)
+    # The head's acceptance with its batch tree pinned: with the controller on, a loaded machine may choose plain
+    # steps for most rounds, and acceptance then says nothing about the head.
+    with tree_settings(draft, adaptive=False):
+        assert torch.equal(model.generate(**inputs, assistant_model=draft, **kwargs), expected)
     assert max(row.mean_accepted_length for row in draft.last_generation_stats.rows) > 1.5
 
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)

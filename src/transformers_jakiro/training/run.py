@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..generation import TreeSettings
+from ..generation import TreeSettings, tree_settings
 from ..modeling_jakiro import JakiroDraftModel
 from ..stats import acceptance_profile, format_acceptance
 from .config import JakiroTrainingConfig
@@ -32,16 +32,19 @@ def _eos_ids(target, tokenizer) -> list[int]:
 
 @torch.no_grad()
 def evaluate_tau(target, tokenizer, draft, prompts: list[tuple[str, str]], max_new_tokens: int = 64) -> dict:
-    """Acceptance length tau by real tree decoding (greedy): overall (new tokens / target forwards, prefill included)
+    """Acceptance length tau by real tree decoding (greedy, the head's configured tree in every round): overall (new tokens / target forwards, prefill included)
     and per prompt, plus `papers_tau` (tokens per draft-verify cycle, prefill excluded: the papers' figure)."""
     device = target.get_input_embeddings().weight.device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = []
     for pid, text in prompts:
         inputs = tokenizer(render_prompt(tokenizer, text), return_tensors="pt", add_special_tokens=False).to(device)
-        target.generate(
-            **inputs, assistant_model=draft, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id
-        )
+        # The configured tree every round: tau measures the head, not what the round controller chose on this
+        # machine at this moment (on a loaded machine it may choose plain steps for most rounds).
+        with tree_settings(draft, adaptive=False):
+            target.generate(
+                **inputs, assistant_model=draft, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_id
+            )
         stats = draft.last_generation_stats
         rows.append(
             dict(id=pid, tau=round(stats.mean_accepted_length, 3), new_tokens=stats.new_tokens, rounds=stats.rounds,
