@@ -89,40 +89,6 @@ def generate(model, *args, **kwargs):
 # ---------------------------------------------------------------- preparing the model repository
 
 
-def _plain_dir(target: str, cache_dir=None) -> tuple[Path, str]:
-    """(a plain transformers directory holding the target, a short name for it)."""
-    from .target_registry import REGISTRY
-    from .targets import META_FILE, _is_complete_cache, cache_root, load_target, sha256_file
-
-    path = Path(target).expanduser()
-    if target in REGISTRY:
-        plain = cache_root(cache_dir) / REGISTRY[target].cache_key
-        if not _is_complete_cache(plain):
-            load_target(target, dtype="float32", cache_dir=cache_dir)  # dequantizes the GGUF and writes the copy
-        return plain, target
-    if target.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        sha = sha256_file(path)
-        spec = next((s for s in REGISTRY.values() if s.sha256 == sha), None)
-        key = spec.cache_key if spec else f"{path.stem}-{sha[:12]}"
-        plain = cache_root(cache_dir) / key
-        if not _is_complete_cache(plain):
-            load_target(path, dtype="float32", cache_dir=cache_dir)
-        return plain, spec.name if spec else path.stem
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
-        return path.resolve(), path.resolve().name
-    # A Hub id: loaded the usual way (from the Hugging Face cache or the Hub), saved once as a plain copy.
-    plain = cache_root(cache_dir) / SERVE_DIR / "weights" / target.replace("/", "--")
-    if not (plain / META_FILE).is_file():
-        model, tokenizer = load_target(target, dtype=None, cache_dir=cache_dir)
-        plain.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(plain)
-        tokenizer.save_pretrained(plain)
-        (plain / META_FILE).write_text(json.dumps({"name_or_path": target}) + "\n")
-    return plain, target.rsplit("/", 1)[-1]
 
 
 def _safe_name(name: str) -> str:
@@ -158,9 +124,9 @@ class Prepared:
 def prepare(target: str, draft: str | None, lookup_tokens: int | None = None, cache_dir=None) -> Prepared:
     """Write (once) the model repository that `transformers serve` loads: the target's files (symlinks to its plain
     copy) and, with a `draft` head directory, `custom_generate/generate.py` that decodes with it."""
-    from .targets import META_FILE, cache_root
+    from .targets import META_FILE, cache_root, plain_directory
 
-    plain, name = _plain_dir(target, cache_dir)
+    plain, name = plain_directory(target, cache_dir)
     settings = {}
     if draft is not None:
         head = Path(draft).expanduser()

@@ -510,6 +510,45 @@ def load_target(
     return model, tokenizer
 
 
+def plain_directory(target: str, cache_dir=None) -> tuple[Path, str]:
+    """(a plain transformers directory holding the target, a short name for it), for programs that load the target
+    from a folder of their own (transformers serve, vLLM). `target` is what `load_target` takes; a registry target's
+    upstream Hub id counts as its registry name, so nothing is downloaded for it. GGUF targets are dequantized once
+    into the cache; a Hub id is loaded the usual way and saved once as a plain copy."""
+    target = str(target)
+    target = next((name for name, spec in REGISTRY.items() if spec.hf_id == target), target)
+
+    path = Path(target).expanduser()
+    if target in REGISTRY:
+        plain = cache_root(cache_dir) / REGISTRY[target].cache_key
+        if not _is_complete_cache(plain):
+            load_target(target, dtype="float32", cache_dir=cache_dir)  # dequantizes the GGUF and writes the copy
+        return plain, target
+    if target.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        sha = sha256_file(path)
+        spec = next((s for s in REGISTRY.values() if s.sha256 == sha), None)
+        key = spec.cache_key if spec else f"{path.stem}-{sha[:12]}"
+        plain = cache_root(cache_dir) / key
+        if not _is_complete_cache(plain):
+            load_target(path, dtype="float32", cache_dir=cache_dir)
+        return plain, spec.name if spec else path.stem
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+        return path.resolve(), path.resolve().name
+    # A Hub id: loaded the usual way (from the Hugging Face cache or the Hub), saved once as a plain copy.
+    plain = cache_root(cache_dir) / "weights" / target.replace("/", "--")
+    if not (plain / META_FILE).is_file():
+        model, tokenizer = load_target(target, dtype=None, cache_dir=cache_dir)
+        plain.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(plain)
+        tokenizer.save_pretrained(plain)
+        (plain / META_FILE).write_text(json.dumps({"name_or_path": target}) + "\n")
+    return plain, target.rsplit("/", 1)[-1]
+
+
 def load_target_or_explain(name: str, dtype="float32"):
     """`load_target`, with any failure turned into one ValueError that names the target and the fix: what the
     command lines (`jakiro distill`, `train`, `bench`) report."""
@@ -532,6 +571,7 @@ __all__ = [
     "install_command",
     "load_target",
     "load_target_or_explain",
+    "plain_directory",
     "resolve_gguf_path",
     "sha256_file",
     "verify_sha256",
