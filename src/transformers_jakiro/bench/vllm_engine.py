@@ -21,14 +21,17 @@ KV_CACHE_GIB = "1"
 
 def run_vllm(target_dir, prompts: list[str] | list[list[int]], speculative: dict | None = None, max_tokens: int = 64,
              temperature: float = 0.0, seed: int = 0, repeats: int = 1, dtype: str = "float32",
-             python: str | None = None, timeout: float = 900) -> dict:
+             one_at_a_time: bool = False, python: str | None = None, timeout: float = 900) -> dict:
     """Generate `prompts` with vLLM (eager mode) in a child process; returns its JSON report (`texts`, `token_ids`,
     `seconds` per repeat, `new_tokens`, `spec`: vLLM's speculative-decoding counters, or None without a draft).
-    Raises RuntimeError with the end of vLLM's log when the engine fails."""
+    `one_at_a_time`: one request after another (batch size 1, as a single-sequence `generate`) instead of all at
+    once (vLLM's continuous batching). Raises RuntimeError with the end of vLLM's log when the engine fails."""
     args = [python or sys.executable, "-m", __name__, "--target", str(target_dir), "--max-tokens", str(max_tokens),
             "--temperature", str(temperature), "--seed", str(seed), "--repeats", str(repeats), "--dtype", dtype]
     if speculative is not None:
         args += ["--speculative", json.dumps(speculative)]
+    if one_at_a_time:
+        args.append("--one-at-a-time")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)}
     done = subprocess.run(args, input=json.dumps(prompts), capture_output=True, text=True, env=env, timeout=timeout)
     for line in reversed(done.stdout.splitlines()):
@@ -58,6 +61,7 @@ def _main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--one-at-a-time", action="store_true")
     args = parser.parse_args()
     # A prompt is a string (vLLM tokenizes it) or a list of token ids (given exactly, as transformers would see it).
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in json.loads(sys.stdin.read())]
@@ -71,7 +75,10 @@ def _main() -> None:
     seconds, outputs = [], None
     for _ in range(args.repeats):
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if args.one_at_a_time:
+            outputs = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds.append(time.perf_counter() - start)
     report = {
         "texts": [o.outputs[0].text for o in outputs],
