@@ -96,7 +96,7 @@ class JakiroVllmDecoderLayer(nn.Module):
 
 
 class JakiroVllmModel(nn.Module):
-    def __init__(self, vllm_config: VllmConfig, config, jakiro: dict, start_layer_id: int, prefix: str):
+    def __init__(self, config, jakiro: dict, start_layer_id: int, prefix: str):
         super().__init__()
         h, fused = config.hidden_size, len(jakiro["target_feature_layers"])
         # Replaced by the target's embedding when the proposer loads the head (the export holds none).
@@ -149,7 +149,7 @@ class JakiroForCausalLMEagle3(Eagle3LlamaForCausalLM):
         check_target(jakiro, vllm_config.model_config.hf_config)
         self.config = config
         target_layers = vllm_config.model_config.get_total_num_hidden_layers()
-        self.model = JakiroVllmModel(vllm_config, config, jakiro, target_layers, maybe_prefix(prefix, "model"))
+        self.model = JakiroVllmModel(config, jakiro, target_layers, maybe_prefix(prefix, "model"))
         self.draft_vocab_size = jakiro["draft_vocab_size"] or config.vocab_size
         self.lm_head = ParallelLMHead(self.draft_vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(self.draft_vocab_size)
