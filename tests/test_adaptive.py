@@ -79,10 +79,61 @@ def test_a_cost_measured_once_too_high_is_measured_again():
     assert counts[PLAIN.name] > 200 and rate > 0.9
 
 
+def test_choices_that_keep_losing_are_re_measured_ever_more_rarely():
+    """Trees that lose at every re-measurement (temperature 1 in float32 on a small CPU: 2 plain steps' time for 1.05
+    tokens) wait twice as long each time, so that over many rounds nearly all are plain steps; the waits carry over
+    to the next call through `remember`."""
+    losing = {FULL.name: (1.05, 2.0), SMALL.name: (1.02, 1.4), PLAIN.name: (1, 1.0)}
+    controller = RoundController([FULL, SMALL, PLAIN], cost_priors={FULL.name: 2.0, SMALL.name: 1.4, PLAIN.name: 1.0},
+                                 token_priors={FULL.name: 1.05, SMALL.name: 1.02})
+    counts, rate = simulate(controller, lambda c: losing[c.name], rounds=2000)
+    assert counts[PLAIN.name] >= 0.99 * 2000 and rate >= 0.99
+    assert controller.stale_after[FULL.name] >= 8 * adaptive.STALE_ROUNDS
+    draft = type("Draft", (), {})()
+    adaptive.remember(controller, draft)
+    assert draft._jakiro_round_memory["greedy"]["stale_after"] == controller.stale_after
+    # ... and a choice that wins once re-measured goes back to the usual wait.
+    controller.record(FULL, 1.05, 2.0)
+    controller._remeasure = FULL.name
+    controller.record(FULL, 4.0, 0.5)
+    assert controller.stale_after[FULL.name] == adaptive.STALE_ROUNDS
+
+
 def test_lookup_is_chosen_only_when_a_chain_is_ready():
     controller = RoundController(choices_for(24, 4, 6, True, False))
     counts, _ = simulate(controller, lambda c: (1, 1.0), rounds=50, lookup_ready=False)
     assert LOOKUP.name not in counts
+
+
+def test_copy_runs_are_told_apart_from_the_rest_of_the_text():
+    """Text that copies an earlier passage in runs (a copying round is followed by another with probability 0.85, a
+    run starts with probability 0.08): lookup then adds 6 tokens, elsewhere 1 (at 1.3 plain steps). Keeping lookup's
+    yield apart after copying rounds takes lookup in the runs and plain steps elsewhere, near the best policy's rate;
+    one mean for both (no context) averages the runs away."""
+    import random
+
+    def run(with_context: bool) -> float:
+        rng, copying, tokens, seconds = random.Random(0), False, 0.0, 0.0
+        controller = RoundController([LOOKUP, PLAIN], cost_priors={LOOKUP.name: 1.3, PLAIN.name: 1.0})
+        for _ in range(3000):
+            choice = controller.choose(True, copying and with_context)
+            added, took = ((6 if copying else 1), 1.3) if choice.kind == "lookup" else (1, 1.0)
+            controller.record(choice, added, took)
+            tokens, seconds = tokens + added, seconds + took
+            copying = rng.random() < (0.85 if copying else 0.08)
+        return tokens / seconds
+
+    share = 0.08 / (0.08 + 0.15)  # rounds in copy runs, in the long run
+    best = (share * 6 + (1 - share)) / (share * 1.3 + (1 - share))  # lookup in runs, plain steps elsewhere
+    assert run(with_context=True) >= 0.9 * best
+    assert run(with_context=True) > 1.1 * run(with_context=False)
+
+
+def test_continues_compares_a_round_with_the_chain_ready_at_its_start():
+    from transformers_jakiro.lookup import continues
+
+    assert continues([5, 6, 7], [5]) and continues([5, 6, 7], [5, 6, 7, 9]) and continues([5], [5, 8])
+    assert not continues([5, 6, 7], [5, 8]) and not continues([], [5]) and not continues([6], [5])
 
 
 def test_priors_from_earlier_calls_skip_the_first_measurements():
@@ -121,7 +172,7 @@ def cycling(monkeypatch):
 
     step = itertools.count()  # one cycle across generate calls: each call starts at another choice
 
-    def choose(self, lookup_ready=True):
+    def choose(self, lookup_ready=True, copying=False):
         available = [c for c in self.choices if c.kind != "lookup" or lookup_ready]
         return available[(next(step) * 7 // 3) % len(available)]
 

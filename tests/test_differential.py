@@ -103,7 +103,7 @@ def _private_round_costs(tmp_path_factory):
 def forget_rounds(draft) -> None:
     """Drop the tokens-per-round priors the round controller keeps on a draft from its earlier generate calls, so
     that a case does not depend on the cases before it (its round costs still do: they are measured)."""
-    vars(draft).pop("_jakiro_round_tokens", None)
+    vars(draft).pop("_jakiro_round_memory", None)
 
 
 # -- the settings space -----------------------------------------------------------------------------------------------

@@ -9,7 +9,11 @@ the draft and the lookup get accepted) and the position in it, so the choice is 
 
     expected tokens of a choice:  a discounted mean of the tokens its past rounds added (bonus token included;
                                   every round ages all choices' means by DISCOUNT), plus a prior worth PRIOR_ROUNDS
-                                  rounds: the draft's mean from its earlier generations, else `prior_tokens`;
+                                  rounds: the draft's mean from its earlier generations, else `prior_tokens`; kept
+                                  apart for rounds that follow a *copying* round (one whose new tokens continued the
+                                  lookup chain ready at its start, `lookup.continues`): there lookup yields several
+                                  times what it yields elsewhere (2.9-9.0 against 1.1-1.4 tokens on the benchmark
+                                  suites), so one mean for both would average a copy run away;
     cost of a choice:             a discounted mean of its measured round times (draft + verify + emit, wall clock;
                                   aged only by its own rounds), plus the time cached for this target shape, dtype,
                                   device, cache kind, batch size and threads (`$JAKIRO_CACHE/round_costs.json`,
@@ -22,6 +26,13 @@ the draft and the lookup get accepted) and the position in it, so the choice is 
                                   choice not tried for STALE_ROUNDS rounds, a plain step included, is tried once
                                   more and its new time replaces the old: a cost measured once (a first round's
                                   warm-up, a moment the machine was busy) then cannot rule a choice out for good.
+                                  A choice still behind after such a re-measurement waits twice as long for the
+                                  next (up to MAX_STALE_ROUNDS; back to STALE_ROUNDS once it wins), so that choices
+                                  that keep losing (trees in float32 on a small CPU, at temperature 1) stop costing
+                                  a round every STALE_ROUNDS.
+
+Yields and waits are remembered on the draft from one generate call to the next, apart for greedy decoding and
+sampling (a tree accepts far less at temperature 1), and serve as the next call's priors.
 
 Exactness does not depend on the choice: every round is verified by the same rule, and the choice reads only past
 rounds (their tokens and times), never the round's own random draws, so sampling keeps the target's distribution.
@@ -39,6 +50,9 @@ PRIOR_ROUNDS = 0.5  # the prior's weight, in rounds: enough to rank untried choi
 PRIOR_ACCEPTANCE = 0.55  # a tree's guessed acceptance per depth before anything was measured
 EXPLORATION = 0.3  # the exploration bonus, in tokens, of a choice not seen lately (a quarter after one round)
 STALE_ROUNDS = 60  # a choice not tried for this many rounds is tried again (its cost or yield may have changed)
+MAX_STALE_ROUNDS = 960  # the longest wait between re-measurements of a choice that keeps losing
+COPYING_PRIOR = 2.5  # tokens a lookup-carrying round is guessed to add right after a copying round
+COPYING = " after copying"  # the suffix of a choice's name for its yield in rounds that follow a copying round
 
 
 @dataclass(frozen=True)
@@ -68,14 +82,14 @@ def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_s
     return options
 
 
-def prior_tokens(choice: RoundChoice, acceptance: float = PRIOR_ACCEPTANCE) -> float:
+def prior_tokens(choice: RoundChoice, acceptance: float = PRIOR_ACCEPTANCE, copying: bool = False) -> float:
     """Tokens a round of `choice` is guessed to add before any is measured: a plain step 1; a tree 1 + a + a^2 + ...
-    over its levels (the contrastive level included); lookup 1 + a."""
+    over its levels (the contrastive level included); lookup 1 + a; after a copying round (only rounds with lookup
+    on have one), a round with lookup chains at least COPYING_PRIOR."""
     if choice.kind == "plain":
         return 1.0
-    if choice.kind == "lookup":
-        return 1.0 + acceptance
-    return sum(acceptance**level for level in range(choice.depth + 2))
+    guess = 1.0 + acceptance if choice.kind == "lookup" else sum(acceptance**level for level in range(choice.depth + 2))
+    return max(guess, COPYING_PRIOR) if copying else guess
 
 
 @dataclass
@@ -108,56 +122,71 @@ class RoundController:
     token_priors: dict = field(default_factory=dict)
     cost_priors: dict = field(default_factory=dict)
     key: str = ""  # the `machine_key` its costs are cached under
+    stale_after: dict = field(default_factory=dict)  # per choice name: rounds until it is re-measured (STALE_ROUNDS)
+    mode: str = "greedy"  # "greedy" or "sampling": what the draft remembers its yields and waits under
 
     def __post_init__(self):
-        self.tokens = {c.name: RunningMean() for c in self.choices}
+        self.tokens = {c.name + context: RunningMean() for c in self.choices for context in ("", COPYING)}
         self.costs = {c.name: RunningMean() for c in self.choices}
         self.rounds = 0
         self.last_tried = {}  # the round in which each choice was last recorded
         self._remeasure = None  # a stale choice being re-measured
+        self._copying = False  # whether the round being chosen follows a copying round
 
-    def expected_tokens(self, choice: RoundChoice) -> float:
+    def expected_tokens(self, choice: RoundChoice, copying: bool = False) -> float:
         if choice.kind == "plain":
             return 1.0
-        prior = self.token_priors.get(choice.name, prior_tokens(choice))
-        return self.tokens[choice.name].mean(prior, PRIOR_ROUNDS)
+        key = choice.name + (COPYING if copying else "")
+        prior = self.token_priors.get(key, prior_tokens(choice, copying=copying))
+        return self.tokens[key].mean(prior, PRIOR_ROUNDS)
 
     def expected_cost(self, choice: RoundChoice) -> float | None:
         prior = self.cost_priors.get(choice.name)
         return self.costs[choice.name].mean(prior, PRIOR_ROUNDS if prior is not None else 0.0)
 
-    def choose(self, lookup_ready: bool = True) -> RoundChoice:
-        """This round's choice; `lookup_ready`: the n-gram lookup has a chain to offer now."""
+    def choose(self, lookup_ready: bool = True, copying: bool = False) -> RoundChoice:
+        """This round's choice; `lookup_ready`: the n-gram lookup has a chain to offer now; `copying`: the last round's
+        tokens continued the chain ready at its start (`lookup.continues`)."""
+        self._copying = copying
+        context = COPYING if copying else ""
         available = [c for c in self.choices if c.kind != "lookup" or lookup_ready]
         for choice in available:  # first, measure what each choice costs
             if self.expected_cost(choice) is None:
                 return choice
         for choice in available:  # then re-measure what was not tried for long: the new time replaces the old
-            if self.rounds - self.last_tried.get(choice.name, 0) >= STALE_ROUNDS:
+            if self.rounds - self.last_tried.get(choice.name, 0) >= self.stale_after.get(choice.name, STALE_ROUNDS):
                 self._remeasure = choice.name
                 return choice
 
-        def value(choice: RoundChoice) -> float:
-            recent = self.tokens[choice.name].weight  # decays every round: what was not tried lately weighs little
-            bonus = 0.0
-            if choice.kind != "plain":  # a plain step's yield is known: exactly one token
-                bonus = EXPLORATION / (1.0 + recent) ** 2
-            return (self.expected_tokens(choice) + bonus) / self.expected_cost(choice)
+        return max(available, key=lambda choice: self._value(choice, copying, EXPLORATION))  # ties: the larger tree
 
-        return max(available, key=value)  # ties: the earlier choice (a larger tree)
+    def _value(self, choice: RoundChoice, copying: bool, exploration: float) -> float:
+        """Expected tokens per second, plus an exploration bonus for a choice with an unknown yield."""
+        recent = self.tokens[choice.name + (COPYING if copying else "")].weight  # decays: not tried lately, weighs little
+        bonus = 0.0
+        if choice.kind != "plain":  # a plain step's yield is known: exactly one token
+            bonus = exploration / (1.0 + recent) ** 2
+        return (self.expected_tokens(choice, copying) + bonus) / self.expected_cost(choice)
 
     def record(self, choice: RoundChoice, tokens: int, seconds: float) -> None:
-        """A round's outcome. Token yields age with every round (the text changes: a choice not tried for a while
-        drifts back to its prior and is tried again); costs age only with their own rounds (the machine does not)."""
+        """A round's outcome (of the round last chosen: its yield counts for that round's context). Token yields age
+        with every round (the text changes: a choice not tried for a while drifts back to its prior and is tried
+        again); costs age only with their own rounds (the machine does not)."""
         self.rounds += 1
         self.last_tried[choice.name] = self.rounds
-        if self._remeasure == choice.name:
+        remeasured = self._remeasure == choice.name
+        if remeasured:
             self.costs[choice.name], self._remeasure = RunningMean(), None
         for mean in self.tokens.values():
             mean.decay()
-        self.tokens[choice.name].add(float(tokens))
+        self.tokens[choice.name + (COPYING if self._copying else "")].add(float(tokens))
         self.costs[choice.name].decay()
         self.costs[choice.name].add(float(seconds))
+        if remeasured:  # still behind the best: wait twice as long before measuring it again; ahead: the usual wait
+            ranked = [c for c in self.choices if self.expected_cost(c) is not None]
+            best = max(ranked, key=lambda c: self._value(c, self._copying, 0.0))
+            wait = self.stale_after.get(choice.name, STALE_ROUNDS)
+            self.stale_after[choice.name] = STALE_ROUNDS if best == choice else min(2 * wait, MAX_STALE_ROUNDS)
 
     def learned_tokens(self) -> dict:
         return {name: mean.mean() for name, mean in self.tokens.items() if mean.weight}
@@ -183,11 +212,11 @@ def batch_tree(total_tokens: int, depth: int, top_k: int, batch: int) -> tuple[i
 
 
 def controller_for(
-    target, draft, settings, static: bool, fixed_shape: bool, batch_size: int = 1
+    target, draft, settings, static: bool, fixed_shape: bool, batch_size: int = 1, do_sample: bool = False
 ) -> RoundController | None:
     """The controller for one generate call (None with `settings.adaptive` off): its choices from the settings, its
-    cost priors from the disk cache for this machine and batch size, its token priors from the draft's earlier
-    generations (tokens per row and round)."""
+    cost priors from the disk cache for this machine and batch size, its token priors (tokens per row and round) and
+    re-measurement waits from the draft's earlier generations in the same mode (greedy or sampling)."""
     if not settings.adaptive:
         return None
     vocab = draft.config.draft_vocab_size or draft.config.vocab_size
@@ -195,15 +224,25 @@ def controller_for(
         settings.total_tokens, settings.depth, min(settings.top_k, vocab), settings.lookup_tokens > 0, fixed_shape
     )
     key = machine_key(target, "static" if static else "dynamic", batch_size)
-    known = getattr(draft, "_jakiro_round_tokens", {})
-    return RoundController(choices, token_priors=dict(known), cost_priors=load_costs(key), key=key)
+    mode = "sampling" if do_sample else "greedy"
+    known = getattr(draft, "_jakiro_round_memory", {}).get(mode, {})
+    return RoundController(
+        choices, token_priors=dict(known.get("tokens", {})), cost_priors=load_costs(key), key=key,
+        stale_after=dict(known.get("stale_after", {})), mode=mode,
+    )
 
 
 def remember(controller: RoundController, draft) -> None:
-    """After a generate call: the learned round costs go to the disk cache, the tokens per round to the draft (the
-    next call's priors)."""
+    """After a generate call: the learned round costs go to the disk cache, the tokens per round and the
+    re-measurement waits to the draft, under the call's mode (the next such call's priors)."""
     save_costs(controller.key, controller.learned_costs())
-    draft._jakiro_round_tokens = {**getattr(draft, "_jakiro_round_tokens", {}), **controller.learned_tokens()}
+    memory = getattr(draft, "_jakiro_round_memory", {})
+    known = memory.get(controller.mode, {})
+    memory[controller.mode] = {
+        "tokens": {**known.get("tokens", {}), **controller.learned_tokens()},
+        "stale_after": {**known.get("stale_after", {}), **controller.stale_after},
+    }
+    draft._jakiro_round_memory = memory
 
 
 def padded_size(choice: RoundChoice | None, settings) -> int:

@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache
 from .adaptive import RoundChoice
 from .drafting import TreeSettings, draft_log_probs
 from .kv_cache import select_positions, select_rows, truncate
-from .lookup import NgramIndex
+from .lookup import NgramIndex, continues
 from .modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree, flatten_tree, graft_chains
 
@@ -47,6 +47,9 @@ class BatchDrafter:
         lookup = settings.lookup_tokens > 0
         self.lookup = [NgramIndex(settings.lookup_max_ngram) if lookup else None for _ in range(batch)]
         self.lookup_length = [settings.lookup_tokens] * batch
+        self._chains = None  # this round's chains per row, once `lookup_ready` has found them (for `propose`)
+        self._ready_chains = None  # the same, for `extend_context` to compare with what each row accepts
+        self.copied = [False] * batch  # per row: its last round's tokens continued the chain ready at its start
 
     @property
     def batch(self) -> int:
@@ -60,6 +63,8 @@ class BatchDrafter:
         its next chain length (2a + 1 after a round that accepted a of its lookup nodes)."""
         if self.lookup[row] is None:
             return
+        ready = self._ready_chains[row] if self._ready_chains is not None else []
+        self.copied[row] = continues(ready[0] if ready else [], tokens)
         self.lookup[row].extend(tokens)
         if lookup_accepted is not None:
             self.lookup_length[row] = min(self.settings.lookup_tokens, 2 * lookup_accepted + 1)
@@ -73,8 +78,16 @@ class BatchDrafter:
         ]
 
     def lookup_ready(self) -> bool:
-        """Whether the n-gram lookup offers a chain to some row this round."""
-        return any(self.chains()) if self.settings.lookup_tokens > 0 else False
+        """Whether the n-gram lookup offers a chain to some row this round (the chains are kept for `propose`)."""
+        if self.settings.lookup_tokens <= 0:
+            return False
+        self._chains = self._ready_chains = self.chains()
+        return any(self._chains)
+
+    def copying(self) -> bool:
+        """Whether at least half the rows copied in their last round (`lookup.continues`): the batch round's context
+        for the round controller, which makes one choice for all rows."""
+        return 2 * sum(self.copied) >= len(self.copied) > 0
 
     def propose(self, roots: torch.LongTensor, choice: RoundChoice | None = None) -> tuple[list[DraftTree], str]:
         """This round's trees, one per row, and the choice's name (`adaptive.RoundChoice.name`): the tree of the
@@ -83,10 +96,11 @@ class BatchDrafter:
         roots alone (a plain batched step). Rounds without a draft forward leave the queued positions for later."""
         settings = self.settings
         kind = "tree" if choice is None else choice.kind
+        ready, self._chains = self._chains, None
         if kind == "tree":
             size = (settings.total_tokens, settings.depth, settings.top_k) if choice is None else (
                 choice.total_tokens, choice.depth, choice.top_k)
-            chains = self.chains() if settings.lookup_tokens > 0 else None
+            chains = (ready if ready is not None else self.chains()) if settings.lookup_tokens > 0 else None
             return self.trees(roots, *size, chains=chains), RoundChoice("tree", *size).name
         trees = [DraftTree.root_only(root) for root in roots.to(self.draft.fc.weight.device)]
         if kind == "lookup":
@@ -108,7 +122,7 @@ class BatchDrafter:
         index = torch.tensor(rows, dtype=torch.long, device=self.key_mask.device)
         select_rows(self.cache, index)
         self.key_mask = self.key_mask[index]
-        for name in ("present", "queued", "lookup", "lookup_length"):
+        for name in ("present", "queued", "lookup", "lookup_length", "copied"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in rows])
         self._drop_holes()

@@ -242,7 +242,7 @@ def batch_decode(
                  [processed[r : r + 1] for r in range(batch)], stopping_criteria, "prefill", stats)
     roots = first
 
-    controller = adaptive.controller_for(target, draft, settings, False, False, batch_size=batch)
+    controller = adaptive.controller_for(target, draft, settings, False, False, batch_size=batch, do_sample=do_sample)
     while True:
         active = [r for r in range(len(rows)) if r not in done]
         for r in done:
@@ -256,7 +256,7 @@ def batch_decode(
             rows = [rows[r] for r in active]
 
         tic = round_started = time.perf_counter()
-        choice = controller.choose(drafter.lookup_ready()) if controller is not None else None
+        choice = controller.choose(drafter.lookup_ready(), drafter.copying()) if controller is not None else None
         trees, name = drafter.propose(roots, choice)
         trees = [tree.to_device(device) for tree in trees]
         stats.draft_time_s += time.perf_counter() - tic

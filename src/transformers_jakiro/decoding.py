@@ -142,7 +142,8 @@ def verify_tree(
     if past is None:
         past = int(cache.get_seq_length())
     forward = target if forward is None else forward
-    internal = tree.internal_nodes() if leaf_head is not None else None
+    # A plain step's one node is its own leaf: its logits come from the forward, with no separate leaf head call.
+    internal = tree.internal_nodes() if leaf_head is not None and tree.num_nodes > 1 else None
     if tree.num_nodes == 1 and not static:
         # A plain step (the round controller's, or a lookup round that found no chain): the mask plain generate
         # gives a one-token step, none or the 2D padding mask, so the target runs the same kernels as there.
@@ -165,6 +166,13 @@ def verify_tree(
         features = hidden.take(out)[0]
     raw = out.logits[0].float()
     processed = process_tree_logits(processors, sequence, tree, raw, nodes=internal)
+    if tree.num_nodes == 1 and not static:
+        # A plain step: the root's pick is the round's one token and the cache already ends at the root, so there
+        # is no path to find and nothing to move (rounds the controller fills with plain steps run at plain speed).
+        bonus = verification.target_choices(processed, do_sample)
+        lookup_accepted = None if tree.from_lookup is None else 0
+        path = torch.zeros(1, dtype=torch.long, device=bonus.device)
+        return VerifiedRound(path, bonus[0], bonus, bonus.tolist(), processed, raw, features, lookup_accepted)
     leaf = {}
 
     def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
@@ -303,10 +311,10 @@ def jakiro_decode(
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first, first.tolist(), processed, raw)
 
-    controller = adaptive.controller_for(target, draft, settings, static, fixed_shape)
+    controller = adaptive.controller_for(target, draft, settings, static, fixed_shape, do_sample=do_sample)
     while not finished:
         tic = round_started = time.perf_counter()
-        choice = None if controller is None else controller.choose(candidates.lookup_ready())
+        choice = None if controller is None else controller.choose(candidates.lookup_ready(), candidates.copying)
         tree = candidates.get_candidates(sequence[:, padding:], choice).to_device(target_device)
         if fixed_shape:
             tree = tree.padded(adaptive.padded_size(choice, settings))

@@ -13,7 +13,7 @@ from transformers.cache_utils import DynamicCache
 
 from .adaptive import RoundChoice
 from .kv_cache import new_draft_cache, truncate
-from .lookup import NgramIndex
+from .lookup import NgramIndex, continues
 from .modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree, TreeRecorder, graft_chains
 
@@ -161,6 +161,8 @@ class JakiroCandidateGenerator:
         self._proposed = 0  # the longest chain of the last round that had lookup nodes
         self._features_unread = False  # a lookup-only round left `pending_features` for the draft to read later
         self._chains = None  # this round's lookup chains, once `lookup_ready` has found them
+        self._ready_chain: list[int] = []  # the first of them, to compare with what the round accepts
+        self.copying = False  # the last round's tokens continued the chain ready at its start (`lookup.continues`)
 
     def extend_context(self, tokens: list[int], lookup_accepted: int | None = None) -> None:
         """Host copies of the accepted tokens (prompt first, then each round's), for the n-gram lookup.
@@ -172,6 +174,7 @@ class JakiroCandidateGenerator:
         `get_candidates`)."""
         if self.lookup is None:
             return
+        self.copying, self._ready_chain = continues(self._ready_chain, tokens), []
         self.lookup.extend(tokens)
         if lookup_accepted is not None:
             self.lookup_length = min(self.settings.lookup_tokens, 2 * lookup_accepted + 1)
@@ -270,6 +273,7 @@ class JakiroCandidateGenerator:
     def lookup_ready(self) -> bool:
         """Whether the n-gram lookup offers a chain this round (found once, kept for this round's `get_candidates`)."""
         self._chains = self._lookup_chains()
+        self._ready_chain = self._chains[0] if self._chains else []
         return bool(self._chains)
 
     def _lookup_chains(self) -> list[list[int]]:

@@ -78,12 +78,14 @@ def keep_accepted(cache, prefix_length: int, path: torch.LongTensor) -> None:
             layer.values.index_copy_(2, target, layer.values.index_select(2, index))
         _set_static_length(cache, new_length)
         return
+    root_only = path.numel() == 1  # a path starts at the root (node 0), already at prefix_length: nothing to move
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
-        index = (path + prefix_length).to(layer.keys.device)
-        layer.keys[..., prefix_length:new_length, :] = layer.keys.index_select(-2, index)
-        layer.values[..., prefix_length:new_length, :] = layer.values.index_select(-2, index)
+        if not root_only:
+            index = (path + prefix_length).to(layer.keys.device)
+            layer.keys[..., prefix_length:new_length, :] = layer.keys.index_select(-2, index)
+            layer.values[..., prefix_length:new_length, :] = layer.values.index_select(-2, index)
         layer.keys = layer.keys[..., :new_length, :]
         layer.values = layer.values[..., :new_length, :]
 

@@ -134,6 +134,8 @@ def process_tree_logits(
     """
     if len(processors) == 0:
         return logits
+    if tree.num_nodes == 1:  # the root alone: its prefix is `input_ids`
+        return _for_rows(processors, 1)(input_ids, logits.clone())
     if all(type(processor) in PREFIX_FREE_PROCESSORS for processor in processors):
         rows = logits.shape[0]
         return _for_rows(processors, rows)(input_ids.expand(rows, -1), logits.clone())  # may work in place
