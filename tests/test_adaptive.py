@@ -99,6 +99,11 @@ def test_choices_that_keep_losing_are_re_measured_ever_more_rarely():
     assert controller.stale_after[FULL.name] == adaptive.STALE_ROUNDS
 
 
+def test_batch_lookup_chains_share_the_budget_as_the_tree_does():
+    assert [adaptive.batch_lookup_tokens(10, b) for b in (1, 2, 3, 4, 8, 32)] == [10, 5, 3, 2, 1, 1]
+    assert adaptive.batch_lookup_tokens(0, 8) == 0  # lookup off stays off
+
+
 def test_lookup_is_chosen_only_when_a_chain_is_ready():
     controller = RoundController(choices_for(24, 4, 6, True, False))
     counts, _ = simulate(controller, lambda c: (1, 1.0), rounds=50, lookup_ready=False)

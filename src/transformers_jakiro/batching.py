@@ -17,9 +17,9 @@ row with them); the output pads them with `pad_token_id`, as plain generate does
 
 Per batch round one choice (`adaptive.RoundController`, keyed by batch size): a plain batched step, lookup chains
 alone, a smaller tree or the batch tree (`adaptive.batch_tree`: the configured tree's node budget shared by the
-rows). Not yet for batches: static caches (and so the compiled path) and per-step scores or logits
-(`output_scores`, `output_logits`: plain generate's rows keep producing scores after they finish); both are
-refused by name.
+rows; `adaptive.batch_lookup_tokens`: the lookup chains' too). Not yet for batches: static caches (and so the
+compiled path) and per-step scores or logits (`output_scores`, `output_logits`: plain generate's rows keep producing
+scores after they finish); both are refused by name.
 """
 
 import dataclasses
@@ -70,7 +70,8 @@ class _Row:
 
 def _batch_tree_settings(settings: TreeSettings, batch: int) -> TreeSettings:
     total, depth, top_k = adaptive.batch_tree(settings.total_tokens, settings.depth, settings.top_k, batch)
-    return dataclasses.replace(settings, total_tokens=total, depth=depth, top_k=top_k)
+    lookup = adaptive.batch_lookup_tokens(settings.lookup_tokens, batch)
+    return dataclasses.replace(settings, total_tokens=total, depth=depth, top_k=top_k, lookup_tokens=lookup)
 
 
 def _stack_trees(trees: list[DraftTree]):
