@@ -11,8 +11,8 @@ the draft and the lookup get accepted) and the position in it, so the choice is 
                                   every round ages all choices' means by DISCOUNT), plus a prior worth PRIOR_ROUNDS
                                   rounds: the draft's mean from its earlier generations, else `prior_tokens`; kept
                                   apart for rounds that follow a *copying* round (one whose new tokens continued the
-                                  lookup chain ready at its start, `lookup.continues`): there lookup yields several
-                                  times what it yields elsewhere (2.9-9.0 against 1.1-1.4 tokens on the benchmark
+                                  lookup chain ready at its start, `lookup.continues`): there lookup yields far
+                                  more than it does elsewhere (2.9-9.0 against 1.1-2.8 tokens on the benchmark
                                   suites), so one mean for both would average a copy run away;
     cost of a choice:             a discounted mean of its measured round times (draft + verify + emit, wall clock;
                                   aged only by its own rounds), plus the time cached for this target shape, dtype,

@@ -71,7 +71,7 @@ class NgramIndex:
 def continues(chain: list[int], tokens: list[int]) -> bool:
     """Whether a round's new `tokens` continued the lookup `chain` that was ready at its start, as far as both go:
     the text is copying an earlier passage. Measured on the benchmark suites (SmolLM2, greedy), lookup at a position
-    right after such a round yields 2.9-9.0 tokens per verify, elsewhere 1.1-1.4 (docs/design.md, "Round control")."""
+    right after such a round yields 2.9-9.0 tokens per verify, elsewhere 1.1-2.8 (docs/design.md, "Round control")."""
     n = min(len(chain), len(tokens))
     return n > 0 and chain[:n] == tokens[:n]
 
