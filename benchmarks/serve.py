@@ -55,7 +55,8 @@ def streamed(server, model, prompt, max_tokens) -> dict:
     first = None
     parts, usage = [], None
     stream = client(server).chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, stream=True)
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True})  # newer transformers send usage only when asked
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             if first is None:
