@@ -296,3 +296,30 @@ def test_rounds_after_a_whole_chain_skip_the_draft(monkeypatch):
     assert len(reads) < draft_rounds - 3  # several rounds verified lookup chains alone
     # the draft read the prompt, then only the positions of the rounds it drafted: the copied ones wait for it
     assert reads[0] == prompt.shape[1] and sum(reads) < prompt.shape[1] + stats.new_tokens - 20
+
+
+def test_the_round_controller_sees_copy_runs(monkeypatch, tmp_path):
+    """Rounds that follow one whose tokens continued the ready chain reach the controller as copying (one row, and a
+    batch); the output stays exact."""
+    from transformers_jakiro import adaptive
+
+    monkeypatch.setenv("JAKIRO_ROUND_COSTS", str(tmp_path / "round_costs.json"))
+    seen = []
+    choose = adaptive.RoundController.choose
+
+    def spy(self, lookup_ready=True, copying=False):
+        seen.append(copying)
+        return choose(self, lookup_ready, copying)
+
+    monkeypatch.setattr(adaptive.RoundController, "choose", spy)
+    target = cycle_target(CYCLE)
+    draft = JakiroDraftModel.from_target(target)
+    prompts = torch.tensor([CYCLE + CYCLE[:5], CYCLE[3:] + CYCLE[:8]])  # the target copies the cycle from here on
+    for batch in (prompts[:1], prompts):
+        seen.clear()
+        inputs = dict(input_ids=batch, attention_mask=torch.ones_like(batch))
+        expected = target.generate(**inputs, do_sample=False, max_new_tokens=40)
+        with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
+            got = target.generate(**inputs, do_sample=False, max_new_tokens=40, assistant_model=draft)
+        assert torch.equal(got, expected)
+        assert len(seen) > 3 and not seen[0] and all(seen[1:])  # nothing before the first round; copying after
