@@ -92,6 +92,11 @@ def prior_tokens(choice: RoundChoice, acceptance: float = PRIOR_ACCEPTANCE, copy
     return max(guess, COPYING_PRIOR) if copying else guess
 
 
+def _yield_key(choice: RoundChoice, copying: bool) -> str:
+    """The name a choice's token yield is kept (and remembered on the draft) under: apart after copying rounds."""
+    return choice.name + (COPYING if copying else "")
+
+
 @dataclass
 class RunningMean:
     """A discounted mean: each new observation weighs 1, older ones DISCOUNT times less per step (`decay`)."""
@@ -136,7 +141,7 @@ class RoundController:
     def expected_tokens(self, choice: RoundChoice, copying: bool = False) -> float:
         if choice.kind == "plain":
             return 1.0
-        key = choice.name + (COPYING if copying else "")
+        key = _yield_key(choice, copying)
         prior = self.token_priors.get(key, prior_tokens(choice, copying=copying))
         return self.tokens[key].mean(prior, PRIOR_ROUNDS)
 
@@ -162,7 +167,7 @@ class RoundController:
 
     def _value(self, choice: RoundChoice, copying: bool, exploration: float) -> float:
         """Expected tokens per second, plus an exploration bonus for a choice with an unknown yield."""
-        recent = self.tokens[choice.name + (COPYING if copying else "")].weight  # decays: not tried lately, weighs little
+        recent = self.tokens[_yield_key(choice, copying)].weight  # decays every round: not tried lately, weighs little
         bonus = 0.0
         if choice.kind != "plain":  # a plain step's yield is known: exactly one token
             bonus = exploration / (1.0 + recent) ** 2
@@ -179,7 +184,7 @@ class RoundController:
             self.costs[choice.name], self._remeasure = RunningMean(), None
         for mean in self.tokens.values():
             mean.decay()
-        self.tokens[choice.name + (COPYING if self._copying else "")].add(float(tokens))
+        self.tokens[_yield_key(choice, self._copying)].add(float(tokens))
         self.costs[choice.name].decay()
         self.costs[choice.name].add(float(seconds))
         if remeasured:  # still behind the best: wait twice as long before measuring it again; ahead: the usual wait

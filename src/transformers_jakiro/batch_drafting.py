@@ -47,8 +47,9 @@ class BatchDrafter:
         lookup = settings.lookup_tokens > 0
         self.lookup = [NgramIndex(settings.lookup_max_ngram) if lookup else None for _ in range(batch)]
         self.lookup_length = [settings.lookup_tokens] * batch
-        self._chains = None  # this round's chains per row, once `lookup_ready` has found them (for `propose`)
-        self._ready_chains = None  # the same, for `extend_context` to compare with what each row accepts
+        # This round's chains per row, once `lookup_ready` has found them (it runs every round the controller
+        # chooses, before `propose`): grafted by `propose`, compared by `extend_context` with what each row accepts.
+        self._ready_chains = None
         self.copied = [False] * batch  # per row: its last round's tokens continued the chain ready at its start
 
     @property
@@ -81,8 +82,8 @@ class BatchDrafter:
         """Whether the n-gram lookup offers a chain to some row this round (the chains are kept for `propose`)."""
         if self.settings.lookup_tokens <= 0:
             return False
-        self._chains = self._ready_chains = self.chains()
-        return any(self._chains)
+        self._ready_chains = self.chains()
+        return any(self._ready_chains)
 
     def copying(self) -> bool:
         """Whether at least half the rows copied in their last round (`lookup.continues`): the batch round's context
@@ -96,10 +97,10 @@ class BatchDrafter:
         roots alone (a plain batched step). Rounds without a draft forward leave the queued positions for later."""
         settings = self.settings
         kind = "tree" if choice is None else choice.kind
-        ready, self._chains = self._chains, None
         if kind == "tree":
             size = (settings.total_tokens, settings.depth, settings.top_k) if choice is None else (
                 choice.total_tokens, choice.depth, choice.top_k)
+            ready = self._ready_chains
             chains = (ready if ready is not None else self.chains()) if settings.lookup_tokens > 0 else None
             return self.trees(roots, *size, chains=chains), RoundChoice("tree", *size).name
         trees = [DraftTree.root_only(root) for root in roots.to(self.draft.fc.weight.device)]
