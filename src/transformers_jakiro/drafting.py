@@ -152,7 +152,7 @@ class JakiroCandidateGenerator:
         self.static_length = static_length
         self._length = 0  # cached positions, for the static cache (which reports its length as a device tensor)
         self._step = draft_step if step is None else step
-        self.pending_features = None
+        self._pending: list[torch.Tensor] = []  # see `pending_features`
         vocab = draft.config.draft_vocab_size or draft.config.vocab_size
         self.top_k = min(settings.top_k, vocab)
         self.lookup = NgramIndex(settings.lookup_max_ngram) if settings.lookup_tokens > 0 else None
@@ -181,12 +181,20 @@ class JakiroCandidateGenerator:
             self.chain_was_whole = lookup_accepted >= self._proposed
 
     def set_features(self, features: torch.Tensor) -> None:
-        """[m, hidden]: target hidden states of the positions accepted since the last round; after a lookup-only
-        round they join the ones the draft has not read yet."""
-        if self._features_unread:
-            features = torch.cat([self.pending_features, features])
-            self._features_unread = False
-        self.pending_features = features
+        """[m, hidden]: target hidden states of the positions accepted since the last round; after a round without a
+        draft forward they join the ones the draft has not read yet. Kept as a list and joined once, when the draft
+        reads them: a run of plain steps would otherwise copy all the unread rows again at every step."""
+        if not self._features_unread:
+            self._pending = []
+        self._pending.append(features)
+        self._features_unread = False
+
+    @property
+    def pending_features(self) -> torch.Tensor | None:
+        """[rows, hidden]: the target features the draft has not read yet (None before the prefill)."""
+        if len(self._pending) > 1:
+            self._pending = [torch.cat(self._pending)]
+        return self._pending[0] if self._pending else None
 
     def cached_length(self) -> int:
         return self._length if self.static else self.cache.get_seq_length()
