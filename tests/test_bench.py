@@ -88,6 +88,28 @@ def test_errors(models):
         bench.run_benchmark(target, tokenizer, draft, prompts=PROMPTS, methods=["nope"], log=lambda _: None)
 
 
+def test_repeats_keep_the_run_with_the_median_time(models):
+    target, tokenizer, draft, _ = models
+    result = bench.run_benchmark(target, tokenizer, draft, prompts={"humaneval": PROMPTS["humaneval"]},
+                                 methods=["jakiro"], max_new_tokens=6, repeats=3, log=lambda _: None)
+    assert result["config"]["repeats"] == 3
+    assert {s["method"] for s in result["samples"]} == {"plain", "jakiro"}
+    for sample in result["samples"]:
+        assert len(sample["repeat_times_s"]) == 3 and sample["time_s"] == sorted(sample["repeat_times_s"])[1]
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        bench.run_benchmark(target, tokenizer, draft, prompts=PROMPTS, repeats=0, log=lambda _: None)
+
+
+def test_median_run_is_the_lower_middle_one():
+    from transformers_jakiro.bench.run import _median_run
+
+    runs = [{"time_s": t, "peak_memory_mb": m, "tag": t} for t, m in ((3.0, 5), (1.0, 9), (2.0, 7), (4.0, 1))]
+    chosen = _median_run(runs)
+    assert chosen["tag"] == 2.0 and chosen["peak_memory_mb"] == 9 and chosen["repeat_times_s"] == [3.0, 1.0, 2.0, 4.0]
+    assert _median_run(runs[:3])["tag"] == 2.0
+    assert "repeat_times_s" not in _median_run(runs[:1])
+
+
 def test_load_suite_first_or_spread_over_categories(tmp_path):
     categories = ["writing", "writing", "math", "math", "code", "writing"]
     lines = [{"question_id": i, "category": c, "turns": [f"q{i}"]} for i, c in enumerate(categories)]

@@ -69,6 +69,8 @@ def add_arguments(parser) -> None:
                         help="distinct n-gram lookup chains per round for jakiro_lookup (default: the head's)")
     parser.add_argument("--out", default=None, help="directory for results.json, results.md, speedup.png")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time every generation this many times (methods rotated, same seed) and keep the median")
     parser.add_argument("--batch-sizes", default=None, metavar="1,2,4,8",
                         help="batch throughput instead: plain batched generate, jakiro and jakiro_lookup at each batch "
                              "size on the suites' first turns (--temperature: the first value)")
@@ -114,7 +116,7 @@ def run(args) -> int:
         num_prompts=args.num_prompts, spread_categories=args.spread_categories,
         temperatures=[float(t) for t in _csv(args.temperature)], methods=methods,
         max_new_tokens=args.max_new_tokens, tune_settings=args.tune, out_dir=args.out, labels=labels, seed=args.seed,
-        tree_overrides=_tree_option(args.tree, args.lookup_tokens, args.lookup_chains),
+        repeats=args.repeats, tree_overrides=_tree_option(args.tree, args.lookup_tokens, args.lookup_chains),
     )
     print()
     print(markdown_table(result))

@@ -25,7 +25,8 @@ def markdown_table(result: dict) -> str:
         f"device {machine['device']}{', ' + machine['gpu'] if 'gpu' in machine else ''}",
         f"- torch {machine['torch']}, transformers {machine['transformers']}, dtype {machine['dtype']}",
         f"- target {config.get('target')}, draft {config.get('draft')}, assistant {config.get('assistant')}",
-        f"- max_new_tokens {config['max_new_tokens']}, prompts per suite {config['num_prompts']}",
+        f"- max_new_tokens {config['max_new_tokens']}, prompts per suite {config['num_prompts']}"
+        + (f", each generation timed {config['repeats']} times (median)" if config.get("repeats", 1) > 1 else ""),
     ]
     if "prompt_ids" in config:
         lines.append(f"- prompt ids: {config['prompt_ids']}")

@@ -76,6 +76,7 @@ def run_benchmark(
     command: str | None = None,
     labels: dict | None = None,
     seed: int = 0,
+    repeats: int = 1,
     log=print,
 ) -> dict:
     """Run every method on the same prompts and return the results dict (also written to `out_dir` if given).
@@ -83,7 +84,12 @@ def run_benchmark(
     `prompts` maps suite -> records (`turns`, optional `id`/`category`); without it the suites are read from
     `data_dir` (`<suite>.jsonl`), `num_prompts` each (see `load_suite` for `spread_categories`). `methods` defaults
     to every method whose model is given. `tree_overrides` (total_tokens, depth, top_k, lookup_tokens) replace the
-    draft's tree settings when nothing is tuned."""
+    draft's tree settings when nothing is tuned. `repeats`: every (prompt, method) generation runs that many times,
+    each repeat with the methods in a further rotated order and the same seed, and the run with the median time
+    stands for it (its tokens and stats; every repeat's time is kept in `repeat_times_s`). A single generation of a
+    few seconds varies by several percent on a shared CPU; the median of three holds ratios near 1 apart."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     if methods is None:
         methods = [m for m in METHODS
                    if (m not in TREE_METHODS or draft is not None) and (m != "assisted" or assistant is not None)]
@@ -118,6 +124,7 @@ def run_benchmark(
             "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS if "prompt_lookup" in methods else None,
             "sampling": "temperature 0: greedy; > 0: do_sample with that temperature, top_k=0, top_p=1",
             "seed": seed,
+            "repeats": repeats,
         },
     }
 
@@ -164,12 +171,15 @@ def run_benchmark(
                     shift = index % len(methods)
                     order = methods[shift:] + methods[:shift]
                     index += 1
-                    outputs = {}
-                    for method in order:
-                        torch.manual_seed(seed + index)
-                        with PeakMemory(device) as memory:
-                            outputs[method] = generate_once(target, inputs, method, draft, assistant, sampling, tree)
-                        outputs[method]["peak_memory_mb"] = memory.peak_mb
+                    runs = {method: [] for method in methods}
+                    for repeat in range(repeats):
+                        for method in order[repeat % len(order):] + order[: repeat % len(order)]:
+                            torch.manual_seed(seed + index)
+                            with PeakMemory(device) as memory:
+                                run = generate_once(target, inputs, method, draft, assistant, sampling, tree)
+                            run["peak_memory_mb"] = memory.peak_mb
+                            runs[method].append(run)
+                    outputs = {method: _median_run(method_runs) for method, method_runs in runs.items()}
                     baseline = outputs["plain"]["new_ids"]
                     for method in methods:
                         sample = outputs[method]
@@ -194,6 +204,16 @@ def run_benchmark(
     if out_dir is not None:
         write_outputs(result, out_dir)
     return result
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run whose time is the median of the repeats (the lower middle one for an even count), with every
+    repeat's time and the largest peak memory."""
+    chosen = dict(sorted(runs, key=lambda run: run["time_s"])[(len(runs) - 1) // 2])
+    if len(runs) > 1:
+        chosen["repeat_times_s"] = [round(run["time_s"], 5) for run in runs]
+        chosen["peak_memory_mb"] = max(run["peak_memory_mb"] for run in runs)
+    return chosen
 
 
 __all__ = ["machine_info", "run_benchmark"]
