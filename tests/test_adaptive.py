@@ -99,6 +99,24 @@ def test_choices_that_keep_losing_are_re_measured_ever_more_rarely():
     assert controller.stale_after[FULL.name] == adaptive.STALE_ROUNDS
 
 
+def test_rounds_since_a_choice_was_tried_carry_over_between_calls():
+    """Calls of 20 rounds each: a choice that lost on its prior is re-measured once STALE_ROUNDS rounds have passed
+    over several calls (the draft remembers the count), not never."""
+    costs = {FULL.name: 3.0, PLAIN.name: 1.0}  # the tree's cached cost is wrong (a busy moment, say)
+    draft = type("Draft", (), {})()
+    tried = []
+    for _ in range(5):  # each call starts from the costs the last one learned, and the draft's memory
+        known = getattr(draft, "_jakiro_round_memory", {}).get("greedy", {"tokens": {FULL.name: 2.0}})
+        controller = RoundController([FULL, PLAIN], cost_priors=costs, token_priors=dict(known["tokens"]),
+                                     since_tried=dict(known.get("since_tried", {})))
+        counts, _ = simulate(controller, lambda c: (4, 1.2) if c.kind == "tree" else (1, 1.0), rounds=20)
+        tried.append(counts.get(FULL.name, 0))
+        adaptive.remember(controller, draft)
+        costs = controller.learned_costs()
+    assert tried[:2] == [0, 0] and sum(tried[2:4]) > 0  # re-measured in the call where 60 rounds are reached
+    assert tried[4] >= 15  # measured, it wins: 4 tokens in 1.2 s against 1 in 1.0 s
+
+
 def test_batch_lookup_chains_share_the_budget_as_the_tree_does():
     assert [adaptive.batch_lookup_tokens(10, b) for b in (1, 2, 3, 4, 8, 32)] == [10, 5, 3, 2, 1, 1]
     assert adaptive.batch_lookup_tokens(0, 8) == 0  # lookup off stays off

@@ -106,3 +106,31 @@ def test_tree_expansion_equals_brute_force(depth, top_k, contrastive, draft_voca
     for path, score in expected.items():
         assert got[path] == pytest.approx(score, abs=1e-5), path
     assert tree.num_nodes - 1 == len(expected) and int(tree.depths.max()) == depth + contrastive
+
+
+def test_catch_up_reads_are_timed_apart_from_the_round():
+    """The draft's read of positions that earlier rounds left unread (the prompt, or plain steps) is reported as
+    `catch_up_s`, which the round controller leaves out of the round's cost; a tree round right after a tree round
+    has none."""
+    from transformers_jakiro.adaptive import RoundChoice
+
+    target = make_target("llama")
+    draft = JakiroDraftModel.from_target(target).eval()
+    tree, plain = RoundChoice("tree", 6, 2, 3), RoundChoice("plain")
+    sequence = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = target(sequence[:, :12], output_hidden_states=True).hidden_states[-1][0]
+    generator = JakiroCandidateGenerator(draft, TreeSettings(6, 2, 3, True))
+    generator.set_features(features[:8])
+    generator.get_candidates(sequence[:, :9], tree)
+    assert generator.catch_up_s > 0  # the prompt: all but its last position
+    generator.set_features(features[8:9])
+    generator.get_candidates(sequence[:, :10], tree)
+    assert generator.catch_up_s == 0  # only what the last (tree) round accepted
+    for end in (11, 12):  # two plain steps: nothing read, their positions left for later
+        generator.set_features(features[end - 2 : end - 1])
+        generator.get_candidates(sequence[:, :end], plain)
+        assert generator.catch_up_s == 0
+    generator.set_features(features[11:12])
+    generator.get_candidates(sequence, tree)
+    assert generator.catch_up_s > 0 and generator.pending_features.shape[0] == 3

@@ -31,8 +31,13 @@ the draft and the lookup get accepted) and the position in it, so the choice is 
                                   that keep losing (trees in float32 on a small CPU, at temperature 1) stop costing
                                   a round every STALE_ROUNDS.
 
-Yields and waits are remembered on the draft from one generate call to the next, apart for greedy decoding and
-sampling (a tree accepts far less at temperature 1), and serve as the next call's priors.
+Yields, waits and the rounds since each choice was last tried are remembered on the draft from one generate call
+to the next, apart for greedy decoding and sampling (a tree accepts far less at temperature 1), and serve as the
+next call's priors: with calls of 20 rounds, a count that restarted with every call would never reach STALE_ROUNDS.
+A round's time leaves out the draft's catch-up read of positions that earlier rounds without a draft forward (or the
+prompt) left unread (`JakiroCandidateGenerator.catch_up_s`): that read is what those rounds deferred, and charged to
+the first tree round of every call it priced trees too high (Qwen2.5-Coder bf16, 2 threads: the cost cache held
+0.40 s for the 8/2/8 tree; with the read left out and a fresh cache it learned 0.26 s).
 
 Exactness does not depend on the choice: every round is verified by the same rule, and the choice reads only past
 rounds (their tokens and times), never the round's own random draws, so sampling keeps the target's distribution.
@@ -129,12 +134,15 @@ class RoundController:
     key: str = ""  # the `machine_key` its costs are cached under
     stale_after: dict = field(default_factory=dict)  # per choice name: rounds until it is re-measured (STALE_ROUNDS)
     mode: str = "greedy"  # "greedy" or "sampling": what the draft remembers its yields and waits under
+    since_tried: dict = field(default_factory=dict)  # per choice name: rounds since it was tried, in earlier calls
 
     def __post_init__(self):
         self.tokens = {c.name + context: RunningMean() for c in self.choices for context in ("", COPYING)}
         self.costs = {c.name: RunningMean() for c in self.choices}
         self.rounds = 0
-        self.last_tried = {}  # the round in which each choice was last recorded
+        # The round in which each choice was last recorded; earlier calls' rounds count as negative ones, so that a
+        # choice is re-measured after STALE_ROUNDS rounds even when every call is shorter than that.
+        self.last_tried = {name: -since for name, since in self.since_tried.items()}
         self._remeasure = None  # a stale choice being re-measured
         self._copying = False  # whether the round being chosen follows a copying round
 
@@ -243,19 +251,21 @@ def controller_for(
     known = getattr(draft, "_jakiro_round_memory", {}).get(mode, {})
     return RoundController(
         choices, token_priors=dict(known.get("tokens", {})), cost_priors=load_costs(key), key=key,
-        stale_after=dict(known.get("stale_after", {})), mode=mode,
+        stale_after=dict(known.get("stale_after", {})), mode=mode, since_tried=dict(known.get("since_tried", {})),
     )
 
 
 def remember(controller: RoundController, draft) -> None:
-    """After a generate call: the learned round costs go to the disk cache, the tokens per round and the
-    re-measurement waits to the draft, under the call's mode (the next such call's priors)."""
+    """After a generate call: the learned round costs go to the disk cache, the tokens per round, the
+    re-measurement waits and the rounds since each choice was tried to the draft, under the call's mode (the next
+    such call's priors)."""
     save_costs(controller.key, controller.learned_costs())
     memory = getattr(draft, "_jakiro_round_memory", {})
     known = memory.get(controller.mode, {})
     memory[controller.mode] = {
         "tokens": {**known.get("tokens", {}), **controller.learned_tokens()},
         "stale_after": {**known.get("stale_after", {}), **controller.stale_after},
+        "since_tried": {c.name: controller.rounds - controller.last_tried.get(c.name, 0) for c in controller.choices},
     }
     draft._jakiro_round_memory = memory
 

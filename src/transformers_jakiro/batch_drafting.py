@@ -15,6 +15,8 @@ Cost per round over one row's: the holes (the longest read minus each row's own)
 flattening and lookup on the host; everything on the device is one call per level for the whole batch.
 """
 
+import time
+
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -51,6 +53,7 @@ class BatchDrafter:
         # chooses, before `propose`): grafted by `propose`, compared by `extend_context` with what each row accepts.
         self._ready_chains = None
         self.copied = [False] * batch  # per row: its last round's tokens continued the chain ready at its start
+        self.catch_up_s = 0.0  # this round's read time spent on positions earlier rounds left (`drafting`'s)
 
     @property
     def batch(self) -> int:
@@ -96,6 +99,7 @@ class BatchDrafter:
         alone (whole chains, as prompt lookup proposes them; a row without a chain verifies its root alone), or the
         roots alone (a plain batched step). Rounds without a draft forward leave the queued positions for later."""
         settings = self.settings
+        self.catch_up_s = 0.0  # set by `_read` in a tree round
         kind = "tree" if choice is None else choice.kind
         if kind == "tree":
             size = (settings.total_tokens, settings.depth, settings.top_k) if choice is None else (
@@ -148,10 +152,12 @@ class BatchDrafter:
         """Read every row's queued positions in one forward. Returns the left and right outputs at each row's last
         position ([rows, hidden] each; right None without a contrastive head)."""
         draft, device = self.draft, self.draft.fc.weight.device
+        tic = time.perf_counter()
         features = [torch.cat([f for f, _ in queue]) for queue in self.queued]
         tokens = [torch.cat([t for _, t in queue]) for queue in self.queued]
         lengths = [f.shape[0] for f in features]
         longest = max(lengths)
+        newest = max((queue[-1][0].shape[0] for queue in self.queued if queue), default=longest) if any(self.present) else 1
         width = features[0].shape[-1]
         padded_features = features[0].new_zeros(self.batch, longest, width)
         padded_tokens = tokens[0].new_zeros(self.batch, longest)
@@ -171,6 +177,7 @@ class BatchDrafter:
         self.key_mask = torch.cat([self.key_mask, valid], dim=1)
         self.present = [p + m for p, m in zip(self.present, lengths)]
         self.queued = [[] for _ in range(self.batch)]
+        self.catch_up_s = (time.perf_counter() - tic) * (1.0 - newest / longest)  # as the one-row drafter's
         last = (lengths_t - 1)[:, None, None]
         left = out.last_hidden_state.gather(1, last.expand(-1, 1, out.last_hidden_state.shape[-1]))[:, 0]
         right = out.contrastive_hidden_state

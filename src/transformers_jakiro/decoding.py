@@ -331,7 +331,8 @@ def jakiro_decode(
         choice = candidates.last_choice
         finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw, choice.name)
         if controller is not None:
-            controller.record(choice, len(verified.token_ids), time.perf_counter() - round_started)
+            seconds = time.perf_counter() - round_started - candidates.catch_up_s
+            controller.record(choice, len(verified.token_ids), seconds)
         if verified.lookup_accepted is not None:
             stats.lookup_rounds += 1
             stats.lookup_accepted += verified.lookup_accepted

@@ -5,6 +5,7 @@ expands a token tree EAGLE-2 style, the last level from the contrastive (two-ahe
 verifies the tree lives in `decoding.py`.
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,9 @@ class JakiroCandidateGenerator:
         self._length = 0  # cached positions, for the static cache (which reports its length as a device tensor)
         self._step = draft_step if step is None else step
         self._pending: list[torch.Tensor] = []  # see `pending_features`
+        # Seconds of this round's draft read spent on rows that rounds without a draft forward (or the prompt) left:
+        # a cost of those earlier rounds, which the round controller does not charge to this round's choice.
+        self.catch_up_s = 0.0
         vocab = draft.config.draft_vocab_size or draft.config.vocab_size
         self.top_k = min(settings.top_k, vocab)
         self.lookup = NgramIndex(settings.lookup_max_ngram) if settings.lookup_tokens > 0 else None
@@ -298,6 +302,7 @@ class JakiroCandidateGenerator:
         draft reads them all in its next tree round."""
         chains = self._chains if self._chains is not None else self._lookup_chains()
         self._chains = None
+        self.catch_up_s = 0.0
         root = input_ids[0, -1].to(self.draft.fc.weight.device)
         kind = choice.kind if choice is not None else ("lookup" if chains and self.chain_was_whole else "tree")
         self.last_choice = choice if choice is not None else RoundChoice(
@@ -327,10 +332,14 @@ class JakiroCandidateGenerator:
         draft, settings = self.draft, self.settings
         device = draft.fc.weight.device
         past = self.cached_length()
+        # The rows the last round accepted; the rest were left unread by earlier rounds (the first read: the prompt)
+        newest = self._pending[-1].shape[0] if past > 0 else 1
         features = self.pending_features
         next_tokens = input_ids[0, past + 1 : past + 1 + features.shape[0]]
         # left: [rows, hidden], rows of the last draft forward (the root: 1 row)
+        tic = time.perf_counter()
         left, right, log_probs, tokens = self._read(next_tokens, features, past, k)
+        self.catch_up_s = (time.perf_counter() - tic) * (1.0 - newest / features.shape[0])
         stable = past + features.shape[0]  # the root token was read at draft position stable - 1
 
         recorder = TreeRecorder(input_ids[0, -1])
