@@ -157,7 +157,9 @@ class BatchDrafter:
         tokens = [torch.cat([t for _, t in queue]) for queue in self.queued]
         lengths = [f.shape[0] for f in features]
         longest = max(lengths)
-        newest = max((queue[-1][0].shape[0] for queue in self.queued if queue), default=longest) if any(self.present) else 1
+        newest = 1  # the first read: the prompts; later, the rows the last round accepted
+        if any(self.present):
+            newest = max((queue[-1][0].shape[0] for queue in self.queued if queue), default=longest)
         width = features[0].shape[-1]
         padded_features = features[0].new_zeros(self.batch, longest, width)
         padded_tokens = tokens[0].new_zeros(self.batch, longest)
