@@ -117,6 +117,79 @@ def test_rounds_since_a_choice_was_tried_carry_over_between_calls():
     assert tried[4] >= 15  # measured, it wins: 4 tokens in 1.2 s against 1 in 1.0 s
 
 
+def test_every_tree_round_informs_every_tree():
+    """The text's draftability is shared: rounds of the configured tree alone that stop being accepted lower what
+    the smaller tree is expected to add too (a mean per choice kept the small tree at its old yield, and a tree
+    measured in a bad stretch at its low one, until each was tried again)."""
+    controller = RoundController([FULL, SMALL, PLAIN], token_priors={FULL.name: 3.0, SMALL.name: 2.2})
+    before = controller.expected_tokens(SMALL)
+    for _ in range(20):
+        controller.choose(False)
+        controller.record(FULL, 1.0, 1.0)  # the bonus token only: the draft is not accepted here
+    assert controller.expected_tokens(SMALL) < 1.0 + 0.3 * (before - 1.0)
+    for _ in range(20):
+        controller.choose(False)
+        controller.record(FULL, 4.0, 1.0)  # ... and now deeper than ever
+    assert controller.expected_tokens(SMALL) > before
+
+
+def test_a_smaller_tree_is_not_expected_to_add_more_than_a_larger_one():
+    controller = RoundController([FULL, SMALL, PLAIN], token_priors={FULL.name: 2.0, SMALL.name: 1.5})
+    for _ in range(10):  # a lucky streak of the small tree
+        controller.choose(False)
+        controller.record(SMALL, 4.0, 1.0)
+    assert controller.expected_tokens(SMALL) == pytest.approx(controller.expected_tokens(FULL))
+    assert controller.shapes[SMALL.name].mean() > controller.shape(SMALL)  # its own estimate, capped
+
+
+def test_an_unmeasured_tree_is_placed_relative_to_the_measured_one():
+    known = RoundController([FULL, SMALL], token_priors={FULL.name: 4.0})  # 3 draft tokens per round remembered
+    guess = RoundController([FULL, SMALL])
+    ratio = (adaptive.prior_tokens(SMALL) - 1) / (adaptive.prior_tokens(FULL) - 1)
+    assert known.shape(SMALL) == pytest.approx(3.0 * ratio)
+    assert guess.shape(SMALL) == pytest.approx(adaptive.prior_tokens(SMALL) - 1)
+
+
+def test_lookup_chain_tokens_count_for_every_tree_when_a_chain_is_ready():
+    controller = RoundController([FULL, SMALL, LOOKUP, PLAIN], token_priors={FULL.name: 2.0, SMALL.name: 1.5})
+    without = controller.expected_tokens(SMALL, lookup_ready=True)
+    for _ in range(10):
+        controller.choose(True)
+        controller.record(FULL, 5.0, 1.0, chain_tokens=3.0)  # 3 of the 4 accepted tokens came from the chain
+    assert controller.expected_tokens(SMALL, lookup_ready=True) > without + 2.0
+    assert controller.expected_tokens(SMALL, lookup_ready=False) < without + 0.5  # no chain, no chain tokens
+
+
+def test_a_deferred_draft_read_is_charged_to_the_round_that_left_it():
+    """A plain step leaves the draft a position to read in the next tree round: that read is the plain step's cost
+    (it would not be paid without it), not the tree's."""
+    controller = RoundController([FULL, PLAIN])
+    controller.choose(False)
+    controller.record(PLAIN, 1.0, 1.0)
+    controller.choose(False)
+    controller.record(FULL, 3.0, 2.0, deferred_s=0.25)
+    assert controller.expected_cost(PLAIN) == pytest.approx(1.25)
+    assert controller.expected_cost(FULL) == pytest.approx(2.0)
+    controller.record(FULL, 3.0, 2.0, deferred_s=0.25)  # after a tree round nothing was deferred: not charged
+    assert controller.expected_cost(PLAIN) == pytest.approx(1.25)
+
+
+def test_the_configured_tree_shape_is_learned_between_calls():
+    """Within a call the configured tree's shape sets the scale (the draftability moves); between calls it moves to
+    what its rounds added, so a wrong first guess does not stay."""
+    draft = type("Draft", (), {})()
+    prior = None
+    for _ in range(5):
+        known = getattr(draft, "_jakiro_round_memory", {}).get("greedy", {})
+        controller = RoundController([FULL, PLAIN], token_priors=dict(known.get("tokens", {})))
+        prior = controller.expected_tokens(FULL)
+        for _ in range(30):
+            controller.choose(False)
+            controller.record(FULL, 4.0, 1.0)
+        adaptive.remember(controller, draft)
+    assert prior == pytest.approx(4.0, abs=0.3)
+
+
 def test_batch_lookup_chains_share_the_budget_as_the_tree_does():
     assert [adaptive.batch_lookup_tokens(10, b) for b in (1, 2, 3, 4, 8, 32)] == [10, 5, 3, 2, 1, 1]
     assert adaptive.batch_lookup_tokens(0, 8) == 0  # lookup off stays off

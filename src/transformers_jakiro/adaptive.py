@@ -7,19 +7,42 @@ A round can verify
 Which pays depends on the machine (what a verify of n tokens costs against one step), the dtype, the text (how much
 the draft and the lookup get accepted) and the position in it, so the choice is learned while decoding:
 
-    expected tokens of a choice:  a discounted mean of the tokens its past rounds added (bonus token included;
-                                  every round ages all choices' means by DISCOUNT), plus a prior worth PRIOR_ROUNDS
-                                  rounds: the draft's mean from its earlier generations, else `prior_tokens`; kept
-                                  apart for rounds that follow a *copying* round (one whose new tokens continued the
-                                  lookup chain ready at its start, `lookup.continues`): there lookup yields far
-                                  more than it does elsewhere (2.9-9.0 against 1.1-2.8 tokens on the benchmark
-                                  suites), so one mean for both would average a copy run away;
+    expected tokens of a tree:    1 + shape x draftability (+ the chain tokens, when a lookup chain is ready):
+                                  * shape: the tree's draft tokens per round at draftability 1, a property of the
+                                    tree and the draft. The configured tree's shape sets the scale and is learned
+                                    between calls (what its rounds added); a smaller tree's is learned from its own
+                                    rounds, normalized by the draftability at the time, and capped by the shape of
+                                    every larger tree (same draft, nearly a subset of the candidates). Before it is
+                                    measured, a tree is placed relative to the configured one by `prior_tokens`;
+                                  * draftability: the text's, shared by every tree: the draft tokens recent tree
+                                    rounds of any size added over what their shapes expected (discounted by
+                                    DISCOUNT per round of any kind, prior 1 worth one round of the largest tree);
+                                  * chain tokens: accepted tokens that only the grafted lookup chains proposed, a
+                                    discounted mean over tree rounds with a chain ready, also shared by every tree
+                                    (the same chains hang from any tree).
+                                  Every tree round thus informs every tree. One mean per tree (until RC-6) learned
+                                  from a tree's own ~20 last rounds only: a tree measured in a bad stretch kept that
+                                  yield until tried again (Qwen2.5-Coder bf16, RC-7: the 8/2/8 tree was held at 1.29
+                                  tokens outside copy runs for three prompts while it added 4-11 inside them).
+                                  Paired, teacher-forced measurement on the target's own text (RC-7 in
+                                  docs/experiments/round-controller.md) puts the 2/1/4 tree's draft tokens at
+                                  0.52-0.79 of the 8/2/8 tree's on every prompt: below it, by a factor one shape
+                                  per tree can carry;
+    expected tokens of lookup:    a discounted mean of the tokens its past rounds added (bonus token included; every
+                                  round ages it by DISCOUNT), plus a prior worth PRIOR_ROUNDS rounds (the draft's mean
+                                  from earlier calls, else `prior_tokens`); a plain step adds exactly 1.
+    contexts:                     draftability, chain tokens and lookup's yield are kept apart for rounds that follow
+                                  a *copying* round (one whose new tokens continued the lookup chain ready at its
+                                  start, `lookup.continues`): there lookup yields far more than it does elsewhere
+                                  (2.9-9.0 against 1.1-2.8 tokens on the benchmark suites), so one mean for both
+                                  would average a copy run away;
     cost of a choice:             a discounted mean of its measured round times (draft + verify + emit, wall clock;
                                   aged only by its own rounds), plus the time cached for this target shape, dtype,
                                   device, cache kind, batch size and threads (`$JAKIRO_CACHE/round_costs.json`,
                                   written after every generate call) as a prior worth PRIOR_ROUNDS rounds;
-    choice:                       the largest (expected tokens + bonus) / cost, bonus = EXPLORATION / (1 + the
-                                  choice's recent weight)^2 (none for a plain step, whose yield is known). Choices
+    choice:                       the largest (expected tokens + bonus) / cost, bonus = EXPLORATION / (1 + recent
+                                  weight)^2: for lookup its own rounds', for a tree that of tree rounds of any size
+                                  (or of its own, when fewer); none for a plain step, whose yield is known. Choices
                                   with no cost yet are tried first, in the order of `choices_for`. A choice that
                                   lost is tried again once its yield has aged back towards its prior: every few tens
                                   of rounds, at the cost of one round (about 3-5% in simulated rounds, tests). And any
@@ -37,7 +60,8 @@ next call's priors: with calls of 20 rounds, a count that restarted with every c
 A round's time leaves out the draft's catch-up read of positions that earlier rounds without a draft forward (or the
 prompt) left unread (`JakiroCandidateGenerator.catch_up_s`): that read is what those rounds deferred, and charged to
 the first tree round of every call it priced trees too high (Qwen2.5-Coder bf16, 2 threads: the cost cache held
-0.40 s for the 8/2/8 tree; with the read left out and a fresh cache it learned 0.26 s).
+0.40 s for the 8/2/8 tree; with the read left out and a fresh cache it learned 0.26 s). It is added to the cost of
+the last plain or lookup-only round before it instead (the prompt's read, which every call pays, to none).
 
 Exactness does not depend on the choice: every round is verified by the same rule, and the choice reads only past
 rounds (their tokens and times), never the round's own random draws, so sampling keeps the target's distribution.
@@ -57,6 +81,9 @@ EXPLORATION = 0.3  # the exploration bonus, in tokens, of a choice not seen late
 STALE_ROUNDS = 60  # a choice not tried for this many rounds is tried again (its cost or yield may have changed)
 MAX_STALE_ROUNDS = 960  # the longest wait between re-measurements of a choice that keeps losing
 COPYING_PRIOR = 2.5  # tokens a lookup-carrying round is guessed to add right after a copying round
+SHAPE_DISCOUNT = 0.98  # a tree shape's weight per own round: the last ~50 rounds of that tree
+DRAFTABILITY_PRIOR_ROUNDS = 1.0  # the draftability prior (1) weighs one round of the largest tree
+SHAPE_PRIOR_ROUNDS = 4.0  # the weight, in rounds of that tree, of a tree shape's prior
 COPYING = " after copying"  # the suffix of a choice's name for its yield in rounds that follow a copying round
 
 
@@ -125,8 +152,9 @@ class RunningMean:
 
 @dataclass
 class RoundController:
-    """Chooses each round's `RoundChoice` (see the module docstring). `token_priors` and `cost_priors` map choice
-    names to tokens per round and seconds per round from earlier calls."""
+    """Chooses each round's `RoundChoice` (see the module docstring). `token_priors` maps choice names to tokens per
+    round from earlier calls (a tree's: at draftability 1, lookup chains left out); `cost_priors` to seconds per
+    round."""
 
     choices: list[RoundChoice]
     token_priors: dict = field(default_factory=dict)
@@ -137,7 +165,26 @@ class RoundController:
     since_tried: dict = field(default_factory=dict)  # per choice name: rounds since it was tried, in earlier calls
 
     def __post_init__(self):
-        self.tokens = {c.name + context: RunningMean() for c in self.choices for context in ("", COPYING)}
+        contexts = ("", COPYING)
+        self.lookup_yield = {context: RunningMean() for context in contexts}  # tokens of lookup-alone rounds
+        # Shared by every tree: draft tokens observed against expected at draftability 1 (the text's draftability),
+        # and tokens that only the lookup chains added (the same chains hang from any tree).
+        self.drafted = {context: (RunningMean(), RunningMean()) for context in contexts}
+        self.chain_tokens = {context: RunningMean() for context in contexts}
+        # Per tree: draft tokens per round at draftability 1, aged only by that tree's own rounds. Before a tree was
+        # measured: the reference tree's shape (`prior_tokens`, else the draft's memory) scaled by the two trees'
+        # geometric guesses, so that an unmeasured tree is placed relative to the one the text was measured with.
+        trees = [c for c in self.choices if c.kind == "tree"]
+        guess = {c.name: max(prior_tokens(c) - 1.0, 1e-3) for c in trees}
+        self.shapes = {}
+        for choice in trees:
+            remembered = self.token_priors.get(choice.name)
+            if remembered is None and trees[0].name in self.token_priors:
+                reference = max(self.token_priors[trees[0].name] - 1.0, 0.0)
+                prior = reference * guess[choice.name] / guess[trees[0].name]
+            else:
+                prior = remembered - 1.0 if remembered is not None else guess[choice.name]
+            self.shapes[choice.name] = RunningMean(SHAPE_PRIOR_ROUNDS, max(prior, 0.0) * SHAPE_PRIOR_ROUNDS)
         self.costs = {c.name: RunningMean() for c in self.choices}
         self.rounds = 0
         # The round in which each choice was last recorded; earlier calls' rounds count as negative ones, so that a
@@ -145,13 +192,44 @@ class RoundController:
         self.last_tried = {name: -since for name, since in self.since_tried.items()}
         self._remeasure = None  # a stale choice being re-measured
         self._copying = False  # whether the round being chosen follows a copying round
+        self._lookup_ready = False  # whether lookup chains were ready for the round being chosen
+        self._lookup_on = any(c.kind == "lookup" for c in self.choices)
+        self._deferred_by = None  # the last round's choice, when it left the draft positions to read later
+        self.reference = trees[0] if trees else None  # the configured tree (`choices_for` lists it first)
+        self._reference_drafted = [0.0, 0.0]  # its draft tokens in this call, observed and expected
 
-    def expected_tokens(self, choice: RoundChoice, copying: bool = False) -> float:
+    def draftability(self, copying: bool = False) -> float:
+        """The text's draftability now: draft tokens the recent tree rounds (of any size) added, over what their
+        trees' shapes expect at draftability 1; the prior (1) weighs PRIOR_ROUNDS tokens."""
+        observed, expected = self.drafted[COPYING if copying else ""]
+        prior = DRAFTABILITY_PRIOR_ROUNDS * max([shape.mean() for shape in self.shapes.values()] + [0.1])
+        return (observed.total + prior) / (expected.total + prior)
+
+    def shape(self, choice: RoundChoice) -> float:
+        """A tree's draft tokens per round at draftability 1: its own estimate, capped by that of every tree at least
+        as large in nodes, levels and children (with the same draft a smaller tree's candidates are nearly a subset
+        of the larger's, and it never accepted more in paired measurements; the cap keeps a lucky streak of the
+        small tree from ranking it above the large one)."""
+        own = self.shapes[choice.name].mean()
+        larger = [
+            self.shapes[other.name].mean() for other in self.choices
+            if other.kind == "tree" and other != choice and other.total_tokens >= choice.total_tokens
+            and other.depth >= choice.depth and other.top_k >= choice.top_k
+        ]
+        return min([own, *larger])
+
+    def expected_tokens(self, choice: RoundChoice, copying: bool = False, lookup_ready: bool = True) -> float:
         if choice.kind == "plain":
             return 1.0
-        key = _yield_key(choice, copying)
-        prior = self.token_priors.get(key, prior_tokens(choice, copying=copying))
-        return self.tokens[key].mean(prior, PRIOR_ROUNDS)
+        context = COPYING if copying else ""
+        if choice.kind == "lookup":
+            prior = self.token_priors.get(_yield_key(choice, copying), prior_tokens(choice, copying=copying))
+            return self.lookup_yield[context].mean(prior, PRIOR_ROUNDS)
+        tokens = 1.0 + self.shape(choice) * self.draftability(copying)
+        if self._lookup_on and lookup_ready:
+            prior = max(COPYING_PRIOR - prior_tokens(choice), 0.0) if copying else 0.0
+            tokens += self.chain_tokens[context].mean(prior, PRIOR_ROUNDS)
+        return tokens
 
     def expected_cost(self, choice: RoundChoice) -> float | None:
         prior = self.cost_priors.get(choice.name)
@@ -160,8 +238,7 @@ class RoundController:
     def choose(self, lookup_ready: bool = True, copying: bool = False) -> RoundChoice:
         """This round's choice; `lookup_ready`: the n-gram lookup has a chain to offer now; `copying`: the last round's
         tokens continued the chain ready at its start (`lookup.continues`)."""
-        self._copying = copying
-        context = COPYING if copying else ""
+        self._copying, self._lookup_ready = copying, lookup_ready
         available = [c for c in self.choices if c.kind != "lookup" or lookup_ready]
         for choice in available:  # first, measure what each choice costs
             if self.expected_cost(choice) is None:
@@ -174,25 +251,54 @@ class RoundController:
         return max(available, key=lambda choice: self._value(choice, copying, EXPLORATION))  # ties: the larger tree
 
     def _value(self, choice: RoundChoice, copying: bool, exploration: float) -> float:
-        """Expected tokens per second, plus an exploration bonus for a choice with an unknown yield."""
-        recent = self.tokens[_yield_key(choice, copying)].weight  # decays every round: not tried lately, weighs little
+        """Expected tokens per second, plus an exploration bonus for a choice with an unknown yield: lookup alone
+        while it was not tried lately, a tree while its shape rests on few rounds."""
         bonus = 0.0
-        if choice.kind != "plain":  # a plain step's yield is known: exactly one token
-            bonus = exploration / (1.0 + recent) ** 2
-        return (self.expected_tokens(choice, copying) + bonus) / self.expected_cost(choice)
+        if choice.kind == "lookup":
+            bonus = exploration / (1.0 + self.lookup_yield[COPYING if copying else ""].weight) ** 2
+        elif choice.kind == "tree":  # no tree round lately, or this tree's shape rests on few of its own rounds
+            recent = self.drafted[COPYING if copying else ""][1].weight
+            bonus = exploration / (1.0 + min(recent, self.shapes[choice.name].weight)) ** 2
+        tokens = self.expected_tokens(choice, copying, self._lookup_ready)
+        return (tokens + bonus) / self.expected_cost(choice)
 
-    def record(self, choice: RoundChoice, tokens: int, seconds: float) -> None:
-        """A round's outcome (of the round last chosen: its yield counts for that round's context). Token yields age
-        with every round (the text changes: a choice not tried for a while drifts back to its prior and is tried
-        again); costs age only with their own rounds (the machine does not)."""
+    def record(
+        self, choice: RoundChoice, tokens: float, seconds: float, chain_tokens: float = 0.0, deferred_s: float = 0.0
+    ) -> None:
+        """A round's outcome (of the round last chosen: its yield counts for that round's context). `chain_tokens`:
+        the accepted tokens that only lookup chains proposed; `seconds`: the round's time without `deferred_s`, the
+        time it spent on work that earlier rounds left (the draft's read of positions that rounds without a draft
+        forward accepted), which is charged to the last such round's choice. Yields age with every round (the text
+        changes); costs and tree shapes only with their own rounds (the machine and the draft do not)."""
+        if deferred_s > 0 and self._deferred_by is not None:  # a plain or lookup-only round's cost, paid late
+            self.costs[self._deferred_by].total += float(deferred_s)
+        self._deferred_by = choice.name if choice.kind != "tree" else None
         self.rounds += 1
         self.last_tried[choice.name] = self.rounds
         remeasured = self._remeasure == choice.name
         if remeasured:
             self.costs[choice.name], self._remeasure = RunningMean(), None
-        for mean in self.tokens.values():
+        context = COPYING if self._copying else ""
+        shared = [self.chain_tokens[c] for c in self.chain_tokens] + [m for pair in self.drafted.values() for m in pair]
+        for mean in [*self.lookup_yield.values(), *shared]:
             mean.decay()
-        self.tokens[_yield_key(choice, self._copying)].add(float(tokens))
+        if choice.kind == "lookup":
+            self.lookup_yield[context].add(float(tokens))
+        elif choice.kind == "tree":
+            drafted = max(float(tokens) - 1.0 - float(chain_tokens), 0.0)
+            draftability = self.draftability(self._copying)
+            observed, expected = self.drafted[context]
+            observed.add(drafted)
+            expected.add(self.shape(choice))
+            if choice != self.reference:  # the reference tree's shape sets the scale: it is learned between calls
+                shape = self.shapes[choice.name]
+                shape.weight, shape.total = shape.weight * SHAPE_DISCOUNT, shape.total * SHAPE_DISCOUNT
+                shape.add(drafted / draftability)
+            elif not self._copying:
+                self._reference_drafted[0] += drafted
+                self._reference_drafted[1] += self.shape(choice)
+            if self._lookup_on and self._lookup_ready:
+                self.chain_tokens[context].add(float(chain_tokens))
         self.costs[choice.name].decay()
         self.costs[choice.name].add(float(seconds))
         if remeasured:  # still behind the best: wait twice as long before measuring it again; ahead: the usual wait
@@ -202,7 +308,21 @@ class RoundController:
             self.stale_after[choice.name] = STALE_ROUNDS if best == choice else min(2 * wait, MAX_STALE_ROUNDS)
 
     def learned_tokens(self) -> dict:
-        return {name: mean.mean() for name, mean in self.tokens.items() if mean.weight}
+        """What the draft remembers for the next call: each tree's tokens per round at draftability 1 (lookup chains
+        left out), lookup alone's tokens per round in each context."""
+        learned = {c.name: 1.0 + self.shape(c) for c in self.choices if c.kind == "tree"}
+        observed, expected = self._reference_drafted
+        if expected > 0:  # the reference tree's shape moves towards what its rounds of this call added
+            shape = self.shapes[self.reference.name].mean()
+            rounds = expected / max(shape, 1e-6)
+            blended = (shape * SHAPE_PRIOR_ROUNDS + observed) / (SHAPE_PRIOR_ROUNDS + rounds)
+            learned[self.reference.name] = 1.0 + blended
+        lookup = RoundChoice("lookup")
+        for copying in (False, True):
+            mean = self.lookup_yield[COPYING if copying else ""]
+            if mean.weight:
+                learned[_yield_key(lookup, copying)] = mean.mean()
+        return learned
 
     def learned_costs(self) -> dict:
         costs = {choice.name: self.expected_cost(choice) for choice in self.choices}

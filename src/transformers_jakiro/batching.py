@@ -275,7 +275,9 @@ def batch_decode(
                 drafter.extend_context(r, token_ids[r], verdict.lookup_accepted[r])
         if controller is not None:
             mean_tokens = sum(len(ids) for ids in token_ids) / len(token_ids)
-            controller.record(choice, mean_tokens, time.perf_counter() - round_started - drafter.catch_up_s)
+            mean_chain = sum(accepted or 0 for accepted in verdict.lookup_accepted) / len(token_ids)
+            seconds = time.perf_counter() - round_started - drafter.catch_up_s
+            controller.record(choice, mean_tokens, seconds, mean_chain, drafter.catch_up_s)
 
     if controller is not None:
         adaptive.remember(controller, draft)

@@ -332,7 +332,8 @@ def jakiro_decode(
         finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw, choice.name)
         if controller is not None:
             seconds = time.perf_counter() - round_started - candidates.catch_up_s
-            controller.record(choice, len(verified.token_ids), seconds)
+            chain_tokens = verified.lookup_accepted or 0
+            controller.record(choice, len(verified.token_ids), seconds, chain_tokens, candidates.catch_up_s)
         if verified.lookup_accepted is not None:
             stats.lookup_rounds += 1
             stats.lookup_accepted += verified.lookup_accepted
