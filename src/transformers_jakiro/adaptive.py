@@ -171,6 +171,8 @@ class RoundController:
         # and tokens that only the lookup chains added (the same chains hang from any tree).
         self.drafted = {context: (RunningMean(), RunningMean()) for context in contexts}
         self.chain_tokens = {context: RunningMean() for context in contexts}
+        # Per tree: its recent rounds (aged every round), for the exploration bonus.
+        self.tree_rounds = {c.name: RunningMean() for c in self.choices if c.kind == "tree"}
         # Per tree: draft tokens per round at draftability 1, aged only by that tree's own rounds. Before a tree was
         # measured: the reference tree's shape (`prior_tokens`, else the draft's memory) scaled by the two trees'
         # geometric guesses, so that an unmeasured tree is placed relative to the one the text was measured with.
@@ -199,8 +201,9 @@ class RoundController:
         self._reference_drafted = [0.0, 0.0]  # its draft tokens in this call, observed and expected
 
     def draftability(self, copying: bool = False) -> float:
-        """The text's draftability now: draft tokens the recent tree rounds (of any size) added, over what their
-        trees' shapes expect at draftability 1; the prior (1) weighs PRIOR_ROUNDS tokens."""
+        """The text's draftability now: draft tokens the configured tree's recent rounds added, over what its shape
+        expects; the prior (1) weighs DRAFTABILITY_PRIOR_ROUNDS of its rounds, so that without recent rounds of it
+        the draftability returns to 1 and every tree to its shape."""
         observed, expected = self.drafted[COPYING if copying else ""]
         prior = DRAFTABILITY_PRIOR_ROUNDS * max([shape.mean() for shape in self.shapes.values()] + [0.1])
         return (observed.total + prior) / (expected.total + prior)
@@ -256,9 +259,8 @@ class RoundController:
         bonus = 0.0
         if choice.kind == "lookup":
             bonus = exploration / (1.0 + self.lookup_yield[COPYING if copying else ""].weight) ** 2
-        elif choice.kind == "tree":  # no tree round lately, or this tree's shape rests on few of its own rounds
-            recent = self.drafted[COPYING if copying else ""][1].weight
-            bonus = exploration / (1.0 + min(recent, self.shapes[choice.name].weight)) ** 2
+        elif choice.kind == "tree":
+            bonus = exploration / (1.0 + self.tree_rounds[choice.name].weight) ** 2
         tokens = self.expected_tokens(choice, copying, self._lookup_ready)
         return (tokens + bonus) / self.expected_cost(choice)
 
@@ -280,23 +282,24 @@ class RoundController:
             self.costs[choice.name], self._remeasure = RunningMean(), None
         context = COPYING if self._copying else ""
         shared = [self.chain_tokens[c] for c in self.chain_tokens] + [m for pair in self.drafted.values() for m in pair]
-        for mean in [*self.lookup_yield.values(), *shared]:
+        for mean in [*self.lookup_yield.values(), *shared, *self.tree_rounds.values()]:
             mean.decay()
         if choice.kind == "lookup":
             self.lookup_yield[context].add(float(tokens))
         elif choice.kind == "tree":
             drafted = max(float(tokens) - 1.0 - float(chain_tokens), 0.0)
-            draftability = self.draftability(self._copying)
-            observed, expected = self.drafted[context]
-            observed.add(drafted)
-            expected.add(self.shape(choice))
-            if choice != self.reference:  # the reference tree's shape sets the scale: it is learned between calls
+            self.tree_rounds[choice.name].add(1.0)
+            if choice == self.reference:  # its shape sets the scale (learned between calls): its rounds measure the text
+                observed, expected = self.drafted[context]
+                observed.add(drafted)
+                expected.add(self.shape(choice))
+                if not self._copying:
+                    self._reference_drafted[0] += drafted
+                    self._reference_drafted[1] += self.shape(choice)
+            else:  # a smaller tree's rounds measure its shape, against the text as the reference's rounds measured it
                 shape = self.shapes[choice.name]
                 shape.weight, shape.total = shape.weight * SHAPE_DISCOUNT, shape.total * SHAPE_DISCOUNT
-                shape.add(drafted / draftability)
-            elif not self._copying:
-                self._reference_drafted[0] += drafted
-                self._reference_drafted[1] += self.shape(choice)
+                shape.add(drafted / self.draftability(self._copying))
             if self._lookup_on and self._lookup_ready:
                 self.chain_tokens[context].add(float(chain_tokens))
         self.costs[choice.name].decay()
