@@ -10,21 +10,25 @@ the draft and the lookup get accepted) and the position in it, so the choice is 
     expected tokens of a tree:    1 + shape x draftability (+ the chain tokens, when a lookup chain is ready):
                                   * shape: the tree's draft tokens per round at draftability 1, a property of the
                                     tree and the draft. The configured tree's shape sets the scale and is learned
-                                    between calls (what its rounds added); a smaller tree's is learned from its own
-                                    rounds, normalized by the draftability at the time, and capped by the shape of
-                                    every larger tree (same draft, nearly a subset of the candidates). Before it is
-                                    measured, a tree is placed relative to the configured one by `prior_tokens`;
-                                  * draftability: the text's, shared by every tree: the draft tokens recent tree
-                                    rounds of any size added over what their shapes expected (discounted by
-                                    DISCOUNT per round of any kind, prior 1 worth one round of the largest tree);
+                                    between calls (towards what its rounds added); a smaller tree's is learned from
+                                    its own rounds (their draft tokens over the draftability at the time, aged by
+                                    SHAPE_DISCOUNT per own round) and capped by the shape of every larger tree (same
+                                    draft, nearly a subset of the candidates). Before it is measured, a tree is
+                                    placed relative to the configured one by `prior_tokens`;
+                                  * draftability: the text's, measured by the configured tree's recent rounds only
+                                    (draft tokens added over what its shape expected, discounted by DISCOUNT per
+                                    round of any kind; prior 1 worth DRAFTABILITY_PRIOR_ROUNDS rounds of the largest
+                                    tree, so without recent rounds of it every tree is back at its shape);
                                   * chain tokens: accepted tokens that only the grafted lookup chains proposed, a
-                                    discounted mean over tree rounds with a chain ready, also shared by every tree
-                                    (the same chains hang from any tree).
-                                  Every tree round thus informs every tree. One mean per tree (until RC-6) learned
-                                  from a tree's own ~20 last rounds only: a tree measured in a bad stretch kept that
-                                  yield until tried again (Qwen2.5-Coder bf16, RC-7: the 8/2/8 tree was held at 1.29
-                                  tokens outside copy runs for three prompts while it added 4-11 inside them).
-                                  Paired, teacher-forced measurement on the target's own text (RC-7 in
+                                    discounted mean over tree rounds with a chain ready, shared by every tree (the
+                                    same chains hang from any tree).
+                                  One mean per tree (until RC-6) learned from a tree's own ~20 last rounds only: a
+                                  tree measured in a bad stretch kept that yield until tried again (Qwen2.5-Coder
+                                  bf16: the 8/2/8 tree was held at 1.29 tokens outside copy runs for three prompts
+                                  while it added 4-11 inside them). Letting every tree's rounds update the shared
+                                  draftability (RC-7) fitted a smaller tree running alone and the draftability to
+                                  each other, the small tree stuck at the large one's cap. Paired, teacher-forced
+                                  measurement on the target's own text (`benchmarks/paired_trees.py`, RC-7 in
                                   docs/experiments/round-controller.md) puts the 2/1/4 tree's draft tokens at
                                   0.52-0.79 of the 8/2/8 tree's on every prompt: below it, by a factor one shape
                                   per tree can carry;
@@ -41,18 +45,17 @@ the draft and the lookup get accepted) and the position in it, so the choice is 
                                   device, cache kind, batch size and threads (`$JAKIRO_CACHE/round_costs.json`,
                                   written after every generate call) as a prior worth PRIOR_ROUNDS rounds;
     choice:                       the largest (expected tokens + bonus) / cost, bonus = EXPLORATION / (1 + recent
-                                  weight)^2: for lookup its own rounds', for a tree that of tree rounds of any size
-                                  (or of its own, when fewer); none for a plain step, whose yield is known. Choices
-                                  with no cost yet are tried first, in the order of `choices_for`. A choice that
-                                  lost is tried again once its yield has aged back towards its prior: every few tens
-                                  of rounds, at the cost of one round (about 3-5% in simulated rounds, tests). And any
-                                  choice not tried for STALE_ROUNDS rounds, a plain step included, is tried once
-                                  more and its new time replaces the old: a cost measured once (a first round's
-                                  warm-up, a moment the machine was busy) then cannot rule a choice out for good.
-                                  A choice still behind after such a re-measurement waits twice as long for the
-                                  next (up to MAX_STALE_ROUNDS; back to STALE_ROUNDS once it wins), so that choices
-                                  that keep losing (trees in float32 on a small CPU, at temperature 1) stop costing
-                                  a round every STALE_ROUNDS.
+                                  weight)^2, the weight of that choice's own recent rounds; none for a plain step, whose
+                                  yield is known. Choices with no cost yet are tried first, in the order of
+                                  `choices_for`. A choice that lost is tried again once its yield has aged back towards
+                                  its prior: every few tens of rounds, at the cost of one round (about 3-5% in simulated
+                                  rounds, tests). And any choice not tried for STALE_ROUNDS rounds, a plain step
+                                  included, is tried once more and its new time replaces the old: a cost measured once
+                                  (a first round's warm-up, a moment the machine was busy) then cannot rule a choice out
+                                  for good. A choice still behind after such a re-measurement waits twice as long for
+                                  the next (up to MAX_STALE_ROUNDS; back to STALE_ROUNDS once it wins), so that choices
+                                  that keep losing (trees in float32 on a small CPU, at temperature 1) stop costing a
+                                  round every STALE_ROUNDS.
 
 Yields, waits and the rounds since each choice was last tried are remembered on the draft from one generate call
 to the next, apart for greedy decoding and sampling (a tree accepts far less at temperature 1), and serve as the
