@@ -2,7 +2,6 @@
 that it cannot rot between the rare runs on an accelerator; a part that hangs is cut off by its cap and the run still
 writes its summaries; the wheels that travel for an out-of-range transformers are chosen and installed right."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,14 +9,13 @@ import time
 import zipfile
 from pathlib import Path
 
+from benchmark_scripts import load_script
+
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu" / "check.py"
 
 
 def load_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu/check.py", "gpu_check")
 
 
 def run(*args, timeout=600):

@@ -2,16 +2,11 @@
 compiled pair included: traced by dynamo with full graphs and run with the `eager` backend, which skips inductor's
 code generation (a minute on 2 cores; tests/test_compiled_decoding.py covers inductor)."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu" / "round_cost.py"
+from benchmark_scripts import load_script
 
 
 def test_round_cost_script_tiny_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("round_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("gpu/round_cost.py", "round_cost")
     out = tmp_path / "round.json"
     result = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--repeats", "3",
                           "--warmup", "1", "--context", "32", "--compile-backend", "eager", "--out", str(out)])

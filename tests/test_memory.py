@@ -8,6 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
+from benchmark_scripts import load_script
 from tiny_models import ARCHS, make_target
 from transformers_jakiro import JakiroDraftModel, modeling_jakiro
 from transformers_jakiro.features import TargetFeatures
@@ -112,13 +113,7 @@ def test_causal_and_grouped_attention_equal_the_explicit_mask_path(target_and_dr
 
 def test_memory_benchmark_script_runs_on_a_tiny_target(tmp_path):
     """benchmarks/memory.py end to end at a tiny size, so that it cannot rot (its numbers are in benchmarks/results)."""
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).parents[1] / "benchmarks" / "memory.py"
-    spec = importlib.util.spec_from_file_location("memory_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("memory.py", "memory_benchmark")
     result = module.main(["--target", "tiny", "--prompt-tokens", "256", "--new-tokens", "4", "--out", str(tmp_path)])
     assert result["identical_outputs"] and result["plain"]["peak_added_bytes"] > 0
     assert (tmp_path / "results.json").exists() and "Jakiro / plain" in (tmp_path / "results.md").read_text()

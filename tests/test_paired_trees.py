@@ -2,25 +2,18 @@
 decoder accepted with the same tree at every root it reached (else its paired comparison of trees would compare
 something else than decoding)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmark_scripts import load_script
 from tiny_models import make_target, quick_trained_draft
 from transformers_jakiro import tree_settings
 from transformers_jakiro.adaptive import RoundChoice
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "paired_trees.py"
-
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("paired_trees", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("paired_trees.py", "paired_trees")
 
 
 def test_paired_scores_equal_what_decoding_accepted(tool):

@@ -1,23 +1,16 @@
 """benchmarks/tree_calibration.py on a tiny target: its labels of the recorded candidates must reproduce, round by
 round, exactly what the decoder accepted (else its calibration and ceiling figures would mean nothing)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmark_scripts import load_script
 from tiny_models import make_target, quick_trained_draft
-
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "tree_calibration.py"
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("tree_calibration", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tree_calibration.py", "tree_calibration")
 
 
 @pytest.mark.parametrize("tree", [dict(total_tokens=12, depth=3, top_k=4), dict(total_tokens=5, depth=2, top_k=3)])
