@@ -22,18 +22,16 @@ import torch
 from transformers_jakiro.adaptive import RoundChoice
 from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.features import TargetFeatures
+from transformers_jakiro.verification import accept, path_nodes
 
 
-def accepted_depth(tree, continuation: list[int]) -> int:
-    """How many of the tree's nodes greedy verification accepts when the target's next tokens are `continuation`."""
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    node, depth = 0, 0
-    while depth < len(continuation):
-        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == continuation[depth]), None)
-        if child is None:
-            break
-        node, depth = child, depth + 1
-    return depth
+def accepted_depth(tree, continuation: torch.LongTensor) -> int:
+    """How many of the tree's nodes greedy verification (`verification.accept`) keeps when the target's next tokens
+    are `continuation`: teacher-forced, the target's choice at a node of depth d is continuation[d]."""
+    beyond = torch.full((tree.levels + 1,), -1, dtype=continuation.dtype)  # past the text: no node matches
+    choices = torch.cat([continuation, beyond])[tree.depths]
+    path, _ = accept(tree, choices)
+    return len(path_nodes(path)) - 1
 
 
 @torch.no_grad()
@@ -52,7 +50,7 @@ def score_trees(target, draft, sequence: torch.LongTensor, prompt_length: int, t
             started = time.perf_counter()
             tree = drafter.get_candidates(sequence[:, : root + 1], choice)
             seconds.append(time.perf_counter() - started)
-            depths.append(accepted_depth(tree, sequence[0, root + 1 :].tolist()))
+            depths.append(accepted_depth(tree, sequence[0, root + 1 :]))
             drafter.set_features(features[root : root + 1])
         out[choice.name] = {"draft_tokens": depths, "draft_s": seconds}
     return out

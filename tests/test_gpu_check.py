@@ -9,9 +9,9 @@ import time
 import zipfile
 from pathlib import Path
 
-from benchmark_scripts import load_script
+from benchmark_scripts import BENCHMARKS, load_script
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu" / "check.py"
+SCRIPT = BENCHMARKS / "gpu" / "check.py"
 
 
 def load_check():
