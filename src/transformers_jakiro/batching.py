@@ -30,12 +30,14 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import adaptive, verification
+from .adaptive import RoundChoice
 from .batch_drafting import BatchDrafter
 from .drafting import TreeSettings
 from .features import TargetFeatures
 from .kv_cache import is_static, keep_accepted_rows, select_positions, select_rows, truncate
 from .logits import process_tree_logits, processors_for_row
 from .modeling_jakiro import JakiroDraftModel
+from .rope import deepest_level, refuse_batch_across, rope_limits
 from .stats import JakiroGenerationStats
 from .target_inputs import cache_kwarg, check_position_ids, forward_accepts, left_paddings, stop_verdicts, target_cache
 from .tree import DraftTree
@@ -205,6 +207,8 @@ def batch_decode(
     attention_mask = model_kwargs.get("attention_mask")
     paddings = left_paddings(attention_mask, batch, length)
     check_position_ids(model_kwargs.get("position_ids"), paddings, length)
+    limits = rope_limits(target)  # position-dependent RoPE: rounds that would reach it are plain steps
+    refuse_batch_across(limits, generation_config.max_length, paddings)
     do_sample = generation_config.do_sample
     device = target.get_input_embeddings().weight.device
     input_ids = input_ids.to(device)
@@ -258,6 +262,11 @@ def batch_decode(
 
         tic = round_started = time.perf_counter()
         choice = controller.choose(drafter.lookup_ready(), drafter.copying()) if controller is not None else None
+        if limits is not None:
+            deepest = deepest_level(choice, settings)
+            roots_at = [(row.sequence.shape[1] - 1, paddings[row.index]) for row in rows]  # each root's index
+            if not all(limits.allows(root, root + deepest, padding) for root, padding in roots_at):
+                choice = RoundChoice("plain")
         trees, name = drafter.propose(roots, choice)
         trees = [tree.to_device(device) for tree in trees]
         stats.draft_time_s += time.perf_counter() - tic

@@ -17,12 +17,14 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from . import adaptive, verification
+from .adaptive import RoundChoice
 from .batching import batch_decode
 from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
 from .features import TargetFeatures
 from .kv_cache import is_static, keep_accepted, static_length, truncate
 from .logits import process_tree_logits
 from .modeling_jakiro import JakiroDraftModel
+from .rope import deepest_level, rope_limits
 from .stats import JakiroGenerationStats
 from .target_inputs import (
     cache_kwarg,
@@ -69,6 +71,26 @@ def _candidate_generator(target, draft, settings, cache, fixed_shape: bool, comp
     if compiled:
         step = compiled_draft_step(generation_config.compile_config or target._default_compile_config())
     return JakiroCandidateGenerator(draft, settings, static_length=length, step=step)
+
+
+def _prefill(target, sequence, mask, cache, cache_arg: str, feature_layers):
+    """The whole `sequence` ([1, length]) through the target into an empty cache, as plain generate's first step runs
+    it (`mask`: the padding mask, None without left padding, positions then counted from the first real token).
+    Returns the draft's features at every position and the last position's logits. Only the layers the draft reads are
+    kept (by hooks), not every layer's states: the prompt may be long."""
+    padded = {}
+    if mask is not None:
+        padded = dict(attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0))
+    with TargetFeatures(target, feature_layers) as hidden:
+        out = target(
+            input_ids=sequence,
+            **padded,
+            use_cache=True,
+            **hidden.forward_kwargs(),
+            **({"logits_to_keep": 1} if forward_accepts(target, "logits_to_keep") else {}),
+            **{cache_arg: cache},
+        )
+        return hidden.take(out), out.logits[:, -1]
 
 
 def _verify_forward(target, cache, generation_config: GenerationConfig):
@@ -255,6 +277,9 @@ def jakiro_decode(
     forward = _verify_forward(target, cache, generation_config) if static and fixed_shape else target
     compiled = forward is not target
     candidates = _candidate_generator(target, draft, settings, cache, fixed_shape, compiled, generation_config)
+    limits = rope_limits(target)  # position-dependent RoPE: rounds that would straddle a limit are plain steps
+    if limits is not None:
+        limits.refuse_unfollowable(generation_config.max_length, static)
 
     def emit(
         tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor, choice="prefill"
@@ -279,25 +304,8 @@ def jakiro_decode(
 
     # Prefill: the prompt through the target, the first token from its last position.
     tic = time.perf_counter()
-    padded = {}
-    if padding:
-        mask = model_kwargs["attention_mask"].to(target_device)
-        positions = model_kwargs.get("position_ids")
-        if positions is None:
-            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        padded = dict(attention_mask=mask, position_ids=positions.to(target_device))
-    # Only the layers the draft reads are kept (by hooks), not every layer's states: the prompt may be long.
-    with TargetFeatures(target, draft.config.target_feature_layers) as hidden:
-        out = target(
-            input_ids=sequence,
-            **padded,
-            use_cache=True,
-            **hidden.forward_kwargs(),
-            **({"logits_to_keep": 1} if forward_accepts(target, "logits_to_keep") else {}),
-            **{cache_arg: cache},
-        )
-        features, last_logits = hidden.take(out), out.logits[:, -1]
-    del out  # with the output_hidden_states fallback, every layer's states: freed before the draft's prefill
+    mask = None if not padding else model_kwargs["attention_mask"].to(target_device)
+    features, last_logits = _prefill(target, sequence, mask, cache, cache_arg, draft.config.target_feature_layers)
     raw = last_logits.float()
     processed = logits_processor(sequence, raw.clone())
     first = verification.target_choices(processed, do_sample)
@@ -315,6 +323,24 @@ def jakiro_decode(
     while not finished:
         tic = round_started = time.perf_counter()
         choice = None if controller is None else controller.choose(candidates.lookup_ready(), candidates.copying)
+        root = sequence.shape[1] - 1  # the root's index in the sequence (left padding included)
+        if limits is not None and not limits.allows(root, root + deepest_level(choice, settings), padding):
+            choice = RoundChoice("plain")
+        if limits is not None and limits.recompute_at == root:
+            # The target's own generate recomputes the whole sequence at this step (Phi-3 at the longrope boundary):
+            # so does this loop, as a plain step (`rope.recompute_index`).
+            candidates.get_candidates(sequence[:, padding:], choice)  # a plain step's bookkeeping on the draft side
+            truncate(cache, 0)
+            whole = None if mask is None else torch.cat([mask, mask.new_ones(1, root + 1 - mask.shape[1])], dim=1)
+            features, last_logits = _prefill(target, sequence, whole, cache, cache_arg, draft.config.target_feature_layers)
+            raw = last_logits.float()
+            processed = logits_processor(sequence, raw.clone())
+            token = verification.target_choices(processed, do_sample)
+            candidates.set_features(features[0, -1:])
+            stats.verify_time_s += time.perf_counter() - tic
+            finished = emit(token, token.tolist(), processed, raw, "plain")
+            candidates.extend_context(token.tolist(), None)
+            continue
         tree = candidates.get_candidates(sequence[:, padding:], choice).to_device(target_device)
         if fixed_shape:
             tree = tree.padded(adaptive.padded_size(choice, settings))
