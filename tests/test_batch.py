@@ -194,3 +194,24 @@ def test_padded_batch_without_attention_mask(pairs):
     kwargs = dict(do_sample=False, max_new_tokens=20, pad_token_id=0)
     expected = target.generate(batch["input_ids"], **kwargs)
     assert torch.equal(target.generate(batch["input_ids"], assistant_model=draft, **kwargs), expected)
+
+
+def test_a_callers_cache_in_a_batch_is_refused_before_any_work(pairs):
+    """Plain batched generate fills a DynamicCache passed to it (every row, left padding and pad tokens after EOS
+    included) and it can be continued; tree decoding of a batch drops finished rows and leaves holes, so it refuses
+    such a cache by name, before it writes anything into it. A batch of one fills it exactly (test_entry_points)."""
+    from transformers import DynamicCache
+
+    target, draft = pairs("llama")
+    batch = random_batch(torch.Generator().manual_seed(5), 3)
+    plain_cache = DynamicCache()
+    expected = target.generate(**batch, do_sample=False, max_new_tokens=12, past_key_values=plain_cache)
+    assert plain_cache.get_seq_length() == expected.shape[1] - 1  # what plain generate leaves in it
+    cache = DynamicCache()
+    for entry in ({"assistant_model": draft}, {"custom_generate": jakiro_generate, "draft": draft}):
+        with pytest.raises(ValueError, match="cannot fill a cache you pass to generate.*Leave the cache out"):
+            target.generate(**batch, do_sample=False, max_new_tokens=12, past_key_values=cache, **entry)
+        assert cache.get_seq_length() == 0
+    # Without a cache of the caller's, the same batch decodes as plain batched generate does.
+    got = target.generate(**batch, do_sample=False, max_new_tokens=12, assistant_model=draft)
+    assert torch.equal(got, expected)

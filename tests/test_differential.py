@@ -2,7 +2,11 @@
 
 A seed draws one configuration from the whole settings space (see `sample_settings`):
 
-  * architecture: the five tiny random-weight targets of `tiny_models` (llama, mistral, qwen2, qwen3, phi3);
+  * architecture: the five tiny random-weight targets of `tiny_models` (llama, mistral, qwen2, qwen3, phi3), each
+    with the default RoPE or, in about one case in four, a position-dependent one whose boundary lies inside the
+    generated span (`tiny_models.rope_shape`: longrope, where Phi-3's generate also recomputes its cache, or dynamic
+    NTK); a case whose call the decoding refuses by name there (a static cache at Phi-3's recomputation, or a
+    transformers release whose Phi-3 generate drops its cache) must raise that refusal;
   * tree: total_tokens, depth, top_k, the contrastive last level on or off;
   * n-gram lookup: lookup_tokens 0 or > 0, lookup_chains, lookup_max_ngram (with lookup on, the prompt mostly repeats
     itself so that chains are proposed from the first round);
@@ -54,8 +58,9 @@ from unittest import mock
 import pytest
 import torch
 
-from tiny_models import ARCHS, VOCAB, make_target, quick_trained_draft, random_prompt
+from tiny_models import ARCHS, ROPE_KINDS, VOCAB, make_target, quick_trained_draft, random_prompt
 from transformers_jakiro import JakiroDraftModel, jakiro_generate, tree_settings
+from transformers_jakiro.rope import rope_limits
 
 CI_SEEDS = list(range(110))
 
@@ -75,15 +80,15 @@ class Models:
     def __init__(self):
         self.built = {}
 
-    def __call__(self, arch):
-        """(target, fitted draft, untrained draft) for an architecture."""
-        if arch not in self.built:
-            target = make_target(arch)
+    def __call__(self, arch, rope="default"):
+        """(target, fitted draft, untrained draft) for an architecture and RoPE kind."""
+        if (arch, rope) not in self.built:
+            target = make_target(arch, rope=rope)
             trained = quick_trained_draft(target)
             torch.manual_seed(1)
             untrained = JakiroDraftModel.from_target(target).eval()
-            self.built[arch] = (target, trained, untrained)
-        return self.built[arch]
+            self.built[arch, rope] = (target, trained, untrained)
+        return self.built[arch, rope]
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +140,7 @@ def sample_settings(seed: int) -> dict:
         short_prompt=rng.random() < 0.15,  # a prompt of 1 or 2 tokens (the draft's first read is that short)
         adaptive=rng.choice([None, True, False]),  # the round controller (None: the draft config's default)
     )
+    s["rope"] = rng.choice(ROPE_KINDS[:1] * 6 + ROPE_KINDS[1:])  # drawn last: earlier seeds keep their other draws
     return s
 
 
@@ -277,12 +283,22 @@ def first_difference(got: torch.Tensor, expected: torch.Tensor, start: int) -> s
 def check_case(seed: int, models) -> str | None:
     """None if the case passes, else a report: the seed, the settings and what differed."""
     s = sample_settings(seed)
-    target, trained, untrained = models(s["arch"])
+    target, trained, untrained = models(s["arch"], s["rope"])
     draft = untrained if s["draft"] == "untrained" else trained
     forget_rounds(draft)
     case = concrete_case(s, target)
     start = case["padding"] + len(case["prompt"])
     inputs = inputs_of(case["prompt"], case["padding"])
+    limits = rope_limits(target)
+    try:
+        if limits is not None:
+            limits.refuse_unfollowable(start + case["max_new_tokens"], case["cache"] == "static")
+    except ValueError as refusal:  # the decoding must refuse this call by name, before any work
+        try:
+            run_jakiro(target, draft, case)
+        except ValueError as error:
+            return None if str(error) == str(refusal) else f"REFUSED otherwise: {error}\n  {describe(case)}"
+        return f"NOT REFUSED: expected {refusal}\n  {describe(case)}"
     expected = target.generate(**inputs, do_sample=False, max_new_tokens=case["max_new_tokens"], **case["processing"])
     try:
         got = run_jakiro(target, draft, case)
@@ -316,7 +332,7 @@ def test_random_case(seed, models):
 def test_the_ci_subset_covers_the_space():
     """The fixed seeds reach every value of every setting (so a change of the sampler cannot thin the CI run)."""
     cases = [sample_settings(seed) for seed in CI_SEEDS]
-    for name, values in [("arch", ARCHS), ("draft", DRAFT_KINDS), ("processors", PROCESSORS),
+    for name, values in [("arch", ARCHS), ("draft", DRAFT_KINDS), ("processors", PROCESSORS), ("rope", ROPE_KINDS),
                          ("cache", ["dynamic", "static"]), ("fixed_shape", [None, False, True]),
                          ("entry", ["assistant_model", "custom_generate", "prompt_lookup_num_tokens"]),
                          ("eos", ["default", "mid", "two"]), ("padding", [0, 1, 3])]:
@@ -326,6 +342,8 @@ def test_the_ci_subset_covers_the_space():
                and c["adaptive"] is False for c in cases)
     assert {c["adaptive"] for c in cases} == {None, True, False}
     assert any(c["cache"] == "static" and c["lookup_tokens"] and c["padding"] for c in cases)
+    assert {c["arch"] for c in cases if c["rope"] == "longrope"} >= {"phi3", "llama"}
+    assert any(c["rope"] != "default" and c["max_new_tokens"] > 20 and c["adaptive"] is not True for c in cases)
 
 
 # -- the larger run ---------------------------------------------------------------------------------------------------
@@ -409,3 +427,49 @@ def test_static_draft_trees_match_dynamic_on_a_one_token_prompt(models, arch):
             assert torch.equal(out, target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30))
             lengths[cache] = draft.last_generation_stats.accepted_lengths
         assert lengths["static"] == lengths[None], f"prompt {prompt}"
+
+
+# -- generation modes -------------------------------------------------------------------------------------------------
+# Every mode of transformers' GenerationMode: decoded by tree decoding, or refused by `jakiro_generate` (the flags that
+# select it). A mode added to transformers appears in neither and fails `test_every_generation_mode_is_decided`.
+DECODED_MODES = {"greedy_search": {}, "sample": {"do_sample": True}, "assisted_generation": {"prompt_lookup_num_tokens": 3}}
+REFUSED_MODES = {
+    "beam_search": {"num_beams": 3},
+    "beam_sample": {"num_beams": 3, "do_sample": True},
+    "group_beam_search": {"num_beams": 4, "num_beam_groups": 2, "diversity_penalty": 1.0},
+    "constrained_beam_search": {"num_beams": 3, "force_words_ids": [[5]]},
+    "contrastive_search": {"penalty_alpha": 0.6, "top_k": 4},
+    "dola_generation": {"dola_layers": "low"},
+}
+
+
+def test_every_generation_mode_is_decided():
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import GenerationMode
+
+    assert {mode.value for mode in GenerationMode} == set(DECODED_MODES) | set(REFUSED_MODES)
+    for value, flags in {**DECODED_MODES, **REFUSED_MODES}.items():
+        assert GenerationConfig(**flags).get_generation_mode().value == value, value
+
+
+@pytest.mark.parametrize("mode", sorted(REFUSED_MODES))
+def test_custom_generate_refuses_modes_it_does_not_implement(models, mode):
+    target, trained, _ = models("llama")
+    prompt = torch.tensor([[5, 9, 14, 3, 22]])
+    with pytest.raises(ValueError, match=f"jakiro_generate implements greedy decoding and sampling only.*{mode}"):
+        target.generate(prompt, max_new_tokens=6, custom_generate=jakiro_generate, draft=trained,
+                        **REFUSED_MODES[mode])
+
+
+@pytest.mark.parametrize("mode", ["beam_search", "beam_sample"])
+def test_the_assistant_route_keeps_transformers_beam_search(models, mode):
+    """With `assistant_model=draft`, generate itself runs beam search (the draft ignored, as for any assistant):
+    the same sequences as plain generate."""
+    target, trained, _ = models("llama")
+    prompt = torch.tensor([[5, 9, 14, 3, 22]])
+    flags = dict(REFUSED_MODES[mode], max_new_tokens=8)
+    torch.manual_seed(0)
+    expected = target.generate(prompt, **flags)
+    torch.manual_seed(0)
+    got = target.generate(prompt, assistant_model=trained, **flags)
+    assert got.shape[0] == 1 and torch.equal(got, expected)

@@ -4,9 +4,9 @@ exactly the logits plain generate computes along the same tokens; batches that c
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessor, LogitsProcessorList, Phi3Config
+from transformers import LogitsProcessor, LogitsProcessorList
 
-from tiny_models import _COMMON, VOCAB, quick_trained_draft
+from tiny_models import ROPE_BOUNDARY, VOCAB, make_target, quick_trained_draft
 from transformers_jakiro import jakiro_generate, tree_settings
 from transformers_jakiro.rope import RopeBoundary, RopeLimits, deepest_level, rope_limits
 
@@ -17,34 +17,9 @@ def _follows_plain(target) -> bool:
     limits = rope_limits(target)
     return limits is None or limits.recomputes_whole
 
-BOUNDARY = 32
-HALF_HEAD = 8  # head_dim 16
-
-
-def _build(config):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model.eval()
-
-
-def _longrope(arch: str):
-    rope = dict(
-        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * HALF_HEAD,
-        long_factor=[4.0 + i for i in range(HALF_HEAD)], original_max_position_embeddings=BOUNDARY,
-    )
-    if arch == "phi3":  # Phi-3's own generate also recomputes its cache at the boundary
-        return Phi3Config(**_COMMON, sliding_window=None, original_max_position_embeddings=BOUNDARY, rope_parameters=rope)
-    return LlamaConfig(**_COMMON, rope_parameters=rope)
-
-
-def _dynamic():
-    return LlamaConfig(**{**_COMMON, "max_position_embeddings": BOUNDARY},
-                       rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=64.0))
-
-
-KINDS = {"phi3-longrope": lambda: _longrope("phi3"), "llama-longrope": lambda: _longrope("llama"), "llama-dynamic": _dynamic}
+BOUNDARY = ROPE_BOUNDARY
+KINDS = {"phi3-longrope": ("phi3", "longrope"), "llama-longrope": ("llama", "longrope"),
+         "llama-dynamic": ("llama", "dynamic")}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +28,8 @@ def pairs():
 
     def get(kind):
         if kind not in built:
-            target = _build(KINDS[kind]())
+            arch, rope = KINDS[kind]
+            target = make_target(arch, rope=rope)
             built[kind] = (target, quick_trained_draft(target, steps=120))
         return built[kind]
 
@@ -74,8 +50,6 @@ def test_limits_are_read_from_the_config(pairs):
     assert rope_limits(llama) == RopeLimits((RopeBoundary("longrope", BOUNDARY),), None, True)
     dynamic, _ = pairs("llama-dynamic")
     assert rope_limits(dynamic) == RopeLimits((RopeBoundary("dynamic", BOUNDARY),), None, True)
-    from tiny_models import make_target
-
     assert rope_limits(make_target("llama")) is None
     # Phi-3 recomputes at its original_max_position_embeddings (4096 by default) whatever its RoPE type.
     assert rope_limits(make_target("phi3")).recompute_at == 4096

@@ -34,11 +34,36 @@ CONFIGS = {
 }
 ARCHS = list(CONFIGS)
 
+# Position-dependent RoPE (see transformers_jakiro/rope.py), with its boundary inside a test's generated span.
+ROPE_KINDS = ["default", "longrope", "dynamic"]
+ROPE_BOUNDARY = 32
 
-def make_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, num_hidden_layers: int = 2, **overrides):
-    """A tiny random `*ForCausalLM` of the given family, in eval mode, with sdpa attention."""
+
+def rope_shape(arch: str, rope: str, boundary: int = ROPE_BOUNDARY) -> dict:
+    """Config fields for a RoPE kind: `longrope` with its short/long switch at `boundary` (Phi-3 also recomputes its
+    cache there in generate), `dynamic` NTK scaling past `max_position_embeddings = boundary`."""
+    if rope == "default":
+        return {}
+    half = (16 if arch == "qwen3" else _COMMON["hidden_size"] // _COMMON["num_attention_heads"]) // 2
+    if rope == "longrope":
+        params = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * half,
+                      long_factor=[4.0 + i for i in range(half)], original_max_position_embeddings=boundary)
+        extra = {"original_max_position_embeddings": boundary} if arch == "phi3" else {}
+        return {"rope_parameters": params, **extra}
+    if rope == "dynamic":
+        return {"rope_parameters": dict(rope_type="dynamic", rope_theta=10000.0, factor=64.0),
+                "max_position_embeddings": boundary}
+    raise ValueError(rope)
+
+
+def make_target(
+    arch: str = "llama", seed: int = 0, dtype=torch.float32, num_hidden_layers: int = 2, rope: str = "default",
+    **overrides,
+):
+    """A tiny random `*ForCausalLM` of the given family, in eval mode, with sdpa attention (`rope`: one of
+    ROPE_KINDS)."""
     torch.manual_seed(seed)
-    config = CONFIGS[arch](num_hidden_layers=num_hidden_layers)
+    config = CONFIGS[arch](num_hidden_layers=num_hidden_layers, **rope_shape(arch, rope))
     for key, value in overrides.items():
         setattr(config, key, value)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)

@@ -18,8 +18,10 @@ row with them); the output pads them with `pad_token_id`, as plain generate does
 Per batch round one choice (`adaptive.RoundController`, keyed by batch size): a plain batched step, lookup chains
 alone, a smaller tree or the batch tree (`adaptive.batch_tree`: the configured tree's node budget shared by the
 rows; `adaptive.batch_lookup_tokens`: the lookup chains' too). Not yet for batches: static caches (and so the
-compiled path) and per-step scores or logits (`output_scores`, `output_logits`: plain generate's rows keep producing
-scores after they finish); both are refused by name.
+compiled path), a cache the caller passes in (it would end with holes and without finished rows, where plain batched
+generate leaves a continuable one), per-step scores or logits (`output_scores`, `output_logits`: plain generate's rows
+keep producing scores after they finish), and generations that could cross a position-dependent RoPE boundary
+(`rope.refuse_batch_across`); all are refused by name before any work.
 """
 
 import dataclasses
@@ -44,6 +46,13 @@ from .tree import DraftTree
 
 
 def _check_batch_supported(generation_config: GenerationConfig, cache, streamer) -> None:
+    if getattr(cache, "_is_user_defined", False) and not is_static(cache):
+        raise ValueError(
+            "Jakiro decoding of a batch (B > 1) cannot fill a cache you pass to generate (past_key_values / cache) as "
+            "plain batched generate fills it: rows accept different numbers of tokens each round and finished rows "
+            "leave the batch, so the cache would end with holes and missing rows and could not be continued. Leave "
+            "the cache out (generate builds its own), or decode one row at a time to keep a cache per row."
+        )
     if is_static(cache):
         raise ValueError(
             "Jakiro decoding of a batch (B > 1) does not support a static cache yet (cache_implementation='static' or "

@@ -28,6 +28,7 @@ from .rope import deepest_level, rope_limits
 from .stats import JakiroGenerationStats
 from .target_inputs import (
     cache_kwarg,
+    check_generation_mode,
     check_position_ids,
     check_supported,
     forward_accepts,
@@ -435,6 +436,7 @@ def jakiro_generate(
     if draft is None:
         raise ValueError("jakiro_generate needs `draft=`, a JakiroDraftModel for this target.")
     refuse_synced_gpus(synced_gpus)
+    check_generation_mode(generation_config)
     settings = TreeSettings.resolve(
         draft,
         generation_config,

@@ -54,6 +54,37 @@ def check_model_kwargs(model_kwargs: dict, generation_config: GenerationConfig) 
                 )
 
 
+# The generation modes tree decoding implements: greedy decoding and sampling (`prompt_lookup_num_tokens` makes either
+# "assisted"; it sets the lookup chains). Every other mode is refused by `check_generation_mode`, with the flags that
+# select it.
+DECODED_MODES = ("greedy_search", "sample", "assisted_generation")
+_MODE_FLAGS = {
+    "beam_search": "num_beams > 1",
+    "beam_sample": "num_beams > 1 with do_sample=True",
+    "group_beam_search": "num_beam_groups > 1",
+    "constrained_beam_search": "constraints / force_words_ids",
+    "contrastive_search": "penalty_alpha > 0 with top_k > 1",
+    "dola_generation": "dola_layers",
+}
+
+
+def check_generation_mode(generation_config: GenerationConfig) -> None:
+    """`custom_generate=jakiro_generate` replaces whatever decoding method `generate` would have run, so a mode it does
+    not implement would silently become greedy decoding (or, for beams, several greedy rows: generate has already
+    expanded the prompt by num_beams). Refuse it by name. (The `assistant_model` route needs no check: generate
+    itself sends beam search and the other modes to their own implementations.)"""
+    mode = generation_config.get_generation_mode()
+    value = getattr(mode, "value", str(mode))
+    if value in DECODED_MODES:
+        return
+    flags = _MODE_FLAGS.get(value, "the flags that select it")
+    raise ValueError(
+        f"jakiro_generate implements greedy decoding and sampling only; this call asks for {value} ({flags}). Leave "
+        f"{flags} out for tree speculative decoding, or generate without custom_generate=jakiro_generate to run "
+        f"{value} as transformers does."
+    )
+
+
 def left_paddings(attention_mask, batch: int, length: int) -> list[int]:
     """Left-padding positions of each row of a [batch, length] mask (None: no padding). Refuses any other zeros:
     right padding, holes, or a row without a real token."""
