@@ -71,9 +71,12 @@ rounds (their tokens and times), never the round's own random draws, so sampling
 Everything here is pure bookkeeping on the host: no tensor, no device sync.
 """
 
+import contextlib
 import json
+import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -426,29 +429,96 @@ def costs_path() -> Path:
     return Path(root) / "round_costs.json"
 
 
-def load_costs(key: str) -> dict:
-    """The per-choice round costs cached for `key`; {} when none (or the file is unreadable)."""
-    try:
-        return dict(json.loads(costs_path().read_text()).get(key, {}))
-    except (OSError, ValueError):
+def _finite_costs(entry) -> dict:
+    """The usable part of one key's entry: choice names mapped to finite positive seconds (a cost of 0 would divide
+    by zero, NaN would stay NaN whatever is added to it, a string or a list is no time at all)."""
+    if not isinstance(entry, dict):
         return {}
+    return {
+        name: float(cost) for name, cost in entry.items()
+        if isinstance(name, str) and isinstance(cost, (int, float)) and not isinstance(cost, bool)
+        and math.isfinite(cost) and cost > 0
+    }
+
+
+def _read_costs(path: Path) -> dict:
+    """The cost table in `path`, keeping only well-formed entries: {key: {choice name: seconds}}. The file is data
+    from outside (hand edits, another version, a crash mid-write elsewhere): anything else in it is dropped with one
+    warning naming the file, and an unreadable file reads as empty. Never raises."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as error:
+        _warn_costs(path, f"cannot be read ({error})")
+        return {}
+    try:
+        table = json.loads(text)
+    except (ValueError, RecursionError):
+        _warn_costs(path, "is not valid JSON")
+        return {}
+    if not isinstance(table, dict):
+        _warn_costs(path, f"holds a JSON {type(table).__name__}, not an object of costs per key")
+        return {}
+    clean = {key: _finite_costs(entry) for key, entry in table.items() if isinstance(key, str)}
+    if any(clean.get(key) != entry for key, entry in table.items()):
+        _warn_costs(path, "holds entries that are not finite positive seconds per choice")
+    return {key: entry for key, entry in clean.items() if entry}
+
+
+def _warn_costs(path: Path, problem: str) -> None:
+    """One warning per file and problem (Python shows a warning once per message and place)."""
+    warnings.warn(
+        f"The round-cost cache {path} {problem}; those entries are ignored (the controller measures the costs again "
+        "and rewrites the file). Delete the file, or point $JAKIRO_ROUND_COSTS elsewhere, to start afresh.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def load_costs(key: str) -> dict:
+    """The per-choice round costs cached for `key`; {} when none (or the file is unreadable or malformed)."""
+    return dict(_read_costs(costs_path()).get(key, {}))
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` + ".lock" while the block runs (POSIX `flock`; elsewhere no lock), so that two
+    processes saving at once merge their entries instead of the later one's write dropping the earlier one's."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: last writer wins, as before
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def save_costs(key: str, costs: dict) -> None:
-    """Merge `costs` into the cache file (atomically: a reader never sees half a file); failures are ignored, the
-    cache only saves the next call its first measurements."""
+    """Merge `costs` (finite positive ones only) into the cache file: under a lock, the file is read again, merged
+    and replaced atomically (a reader never sees half a file, a concurrent writer's entries are kept). Failures are
+    ignored: the cache only saves the next call its first measurements."""
+    costs = _finite_costs(costs)
+    if not costs:
+        return
     path = costs_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            table = json.loads(path.read_text())
-        except (OSError, ValueError):
-            table = {}
-        table[key] = {**table.get(key, {}), **costs}
-        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(handle, "w") as out:
-            json.dump(table, out, indent=1, sort_keys=True)
-        os.replace(temporary, path)
+        with _locked(path):
+            table = _read_costs(path)
+            table[key] = {**table.get(key, {}), **costs}
+            handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            try:
+                with os.fdopen(handle, "w") as out:
+                    json.dump(table, out, indent=1, sort_keys=True)
+                os.replace(temporary, path)
+            finally:
+                if os.path.exists(temporary):
+                    os.unlink(temporary)
     except OSError:
         pass
 
