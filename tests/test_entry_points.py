@@ -155,3 +155,19 @@ def test_static_and_dynamic_draft_trees_are_identical_from_the_first_round(pair,
             )
     assert torch.equal(outputs[0], outputs[1])
     assert trees[0] and trees[0] == trees[1]
+
+
+@pytest.mark.parametrize("flag", ["output_attentions", "output_hidden_states"])
+def test_output_flags_are_ignored_as_plain_generate_ignores_them(pair, flag):
+    """Without return_dict_in_generate, plain generate ignores output_attentions / output_hidden_states (they reach
+    the decoding loop among the model inputs); both entry points do too, for one row and for a batch. With it, plain
+    generate returns per-step tensors, which tree decoding does not produce: refused by name."""
+    target, draft = pair
+    batch = torch.cat([PROMPT, PROMPT.flip(1)])
+    for inputs in (PROMPT, batch):
+        expected = target.generate(inputs, do_sample=False, max_new_tokens=10, **{flag: True})
+        for entry in ({"assistant_model": draft}, {"custom_generate": jakiro_generate, "draft": draft}):
+            got = target.generate(inputs, do_sample=False, max_new_tokens=10, **{flag: True}, **entry)
+            assert torch.equal(got, expected)
+            with pytest.raises(ValueError, match=f"does not return per-step attentions or hidden states; got {flag}"):
+                target.generate(inputs, max_new_tokens=10, return_dict_in_generate=True, **{flag: True}, **entry)

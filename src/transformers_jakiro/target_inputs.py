@@ -29,10 +29,17 @@ def cache_kwarg(model) -> str:
 # Anything else (`pixel_values`, `token_type_ids`, ...) would be dropped, and the output would silently differ from
 # plain generate's, so it is refused by name.
 _HANDLED_MODEL_KWARGS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep")
+# Output flags: generate leaves them in the model inputs (5.17 to 5.25). Plain generate returns per-step attentions or
+# hidden states only with return_dict_in_generate=True and ignores the flags otherwise; so does this loop, and it
+# refuses them by name where plain generate would return them.
+_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
 
 
 def check_model_kwargs(model_kwargs: dict, generation_config: GenerationConfig) -> None:
-    unhandled = sorted(key for key, value in model_kwargs.items() if value is not None and key not in _HANDLED_MODEL_KWARGS)
+    unhandled = sorted(
+        key for key, value in model_kwargs.items()
+        if value is not None and key not in _HANDLED_MODEL_KWARGS + _OUTPUT_FLAGS
+    )
     if unhandled:
         raise ValueError(
             f"Jakiro decoding cannot use the model input(s) {', '.join(unhandled)}: its tree path feeds the target "
@@ -46,8 +53,8 @@ def check_model_kwargs(model_kwargs: dict, generation_config: GenerationConfig) 
             "Leave logits_to_keep out."
         )
     if generation_config.return_dict_in_generate:
-        for flag in ("output_attentions", "output_hidden_states"):
-            if getattr(generation_config, flag, False):
+        for flag in _OUTPUT_FLAGS:
+            if getattr(generation_config, flag, False) or model_kwargs.get(flag):
                 raise ValueError(
                     f"Jakiro decoding does not return per-step attentions or hidden states; got {flag}=True with "
                     f"return_dict_in_generate=True. Leave {flag} out, or generate without the Jakiro draft."
