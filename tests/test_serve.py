@@ -146,6 +146,10 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(servers):
     assert response.status_code == 400 and "context is 8192 tokens" in response.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         _chat(jakiro, "Hi", max_tokens=-1)
+    for field, value in [("temperature", "NaN"), ("temperature", "Infinity"), ("frequency_penalty", "-Infinity")]:
+        raw = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi"}}], "{field}": {value}}}'
+        response = _post(jakiro, None, raw=raw.encode())
+        assert response.status_code == 400 and f"`{field}` must be a finite number" in response.text, response.text
     # still serving
     assert _chat(jakiro, PROMPTS[0], max_tokens=4, temperature=0).choices[0].message.content
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 logger = logging.getLogger("transformers_jakiro.serve")  # the server's log lines, one logger
 
@@ -13,6 +14,25 @@ logger = logging.getLogger("transformers_jakiro.serve")  # the server's log line
 def _openai_error(message: str, param: str | None, status: int = 400) -> tuple[int, bytes]:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
     return status, json.dumps(body).encode()
+
+
+def non_finite_field(value, path: str = "") -> tuple[str, float] | None:
+    """The first field of a parsed JSON body that holds NaN, Infinity or -Infinity (Python's json reads them as
+    floats; transformers would pass them on into generation), as (its path, the value); None when every number is
+    finite. Paths name fields as a client wrote them: `temperature`, `logit_bias.50256`, `messages[0].weight`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "(the body)", value
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    for where, item in items:
+        found = non_finite_field(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 class RequestChecks:
@@ -59,6 +79,11 @@ class RequestChecks:
             return None  # malformed JSON: transformers' own 422
         if not isinstance(body, dict):
             return None
+        found = non_finite_field(body)
+        if found is not None:
+            where, value = found
+            return _openai_error(f"`{where}` must be a finite number, got {value!r} (JSON NaN or Infinity).",
+                                 where.split(".")[0].split("[")[0])
         for param in ("max_tokens", "max_completion_tokens"):
             value = body.get(param)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
