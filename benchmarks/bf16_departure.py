@@ -51,7 +51,7 @@ import transformers_jakiro  # noqa: F401  (installs the generate hook)
 from transformers_jakiro import decoding
 from transformers_jakiro.bench import load_draft
 from transformers_jakiro.demo import CODER_PROMPTS, PROMPTS, find_head
-from transformers_jakiro.generation import tree_settings
+from transformers_jakiro import tree_settings
 from transformers_jakiro.targets import load_target
 from transformers_jakiro.tree import DraftTree
 

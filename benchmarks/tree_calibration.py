@@ -27,7 +27,7 @@ import math
 import torch
 
 from transformers_jakiro import tree as tree_module
-from transformers_jakiro.generation import tree_settings
+from transformers_jakiro import tree_settings
 
 POWERS = [0.2 + 0.05 * i for i in range(57)]  # the grid the per-depth power is fitted on: 0.2 ... 3.0
 
@@ -131,7 +131,7 @@ def report(rows: list[dict], total_tokens: int) -> dict:
 
 def main() -> None:
     from transformers_jakiro import JakiroDraftModel
-    from transformers_jakiro.distill import read_prompts, render_prompt
+    from transformers_jakiro.training.distill import read_prompts, render_prompt
     from transformers_jakiro.targets import load_target
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

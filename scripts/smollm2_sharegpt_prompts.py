@@ -17,8 +17,8 @@ import json
 import random
 from pathlib import Path
 
-from transformers_jakiro.distill import prompt_length, prompt_of, record_id
-from transformers_jakiro.sharegpt import benchmark_prompts, read_sources
+from transformers_jakiro.training.distill import prompt_length, prompt_of, record_id
+from transformers_jakiro.training.sharegpt import benchmark_prompts, read_sources
 from transformers_jakiro.targets import load_target
 
 CODER_SOURCES = ("stdlib", "writing", "chitchat")

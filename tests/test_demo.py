@@ -84,7 +84,7 @@ def test_demo_finds_both_shipped_heads_and_picks_a_dtype_the_cpu_is_fast_in(monk
 
 def test_demo_explains_bf16_near_ties(models, monkeypatch):
     target, tokenizer, draft = models
-    from transformers_jakiro.generation import JakiroGenerationStats
+    from transformers_jakiro.stats import JakiroGenerationStats
 
     draft.last_generation_stats = JakiroGenerationStats(new_tokens=3, rounds=2)
     # Jakiro differs from plain in the last token, as a near-tie in bf16 can make it; prompt lookup does not here

@@ -8,7 +8,7 @@ from chat_tokenizer import make_tokenizer
 from tiny_models import make_target
 
 from transformers_jakiro import cli
-from transformers_jakiro.distill import distill, prompt_length, read_prompts
+from transformers_jakiro.training.distill import distill, prompt_length, read_prompts
 
 
 @pytest.fixture(scope="module")

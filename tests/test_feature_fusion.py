@@ -8,9 +8,10 @@ import torch
 from chat_tokenizer import make_tokenizer
 from tiny_models import make_target, quick_trained_draft, random_prompt
 from transformers_jakiro import JakiroDraftModel, tree_settings
-from transformers_jakiro.feature_store import FeatureStore, target_fingerprint
+from transformers_jakiro.training.feature_store import FeatureStore, target_fingerprint
 from transformers_jakiro.features import TargetFeatures, default_feature_layers
-from transformers_jakiro.train import JakiroTrainer, JakiroTrainingConfig, init_from_head, parse_feature_layers
+from transformers_jakiro.training import JakiroTrainer, JakiroTrainingConfig, init_from_head
+from transformers_jakiro.training.cli import parse_feature_layers
 
 LAYERS = [0, 2]  # of a 4-layer target: layer 3's output is the last hidden state
 
@@ -96,8 +97,8 @@ def test_greedy_decoding_with_a_fused_head_is_identical_to_plain(arch):
 
 
 def test_training_reads_the_wide_features_and_the_store_keeps_them_apart(target, tmp_path):
-    from transformers_jakiro.distill import distill
-    from transformers_jakiro.train import JakiroCollator, build_examples, read_conversations
+    from transformers_jakiro.training.distill import distill
+    from transformers_jakiro.training import JakiroCollator, build_examples, read_conversations
 
     tokenizer = make_tokenizer()
     prompts = [(str(i), "abc defg"[: 3 + i % 5] * 2) for i in range(8)]

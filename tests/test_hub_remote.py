@@ -177,10 +177,23 @@ def test_save_pretrained_writes_the_decoding_method(tmp_path):
     assert (tmp_path / FOLDER / "generate.py").read_bytes() == (TEMPLATE_DIR / "generate.py").read_bytes()
 
 
+@pytest.fixture(scope="module")
+def saved_code(tmp_path_factory):
+    """What `save_pretrained` writes besides the weights and the config: the remote code and the decoding method."""
+    out = tmp_path_factory.mktemp("saved-head")
+    JakiroDraftModel.from_target(make_target("llama")).save_pretrained(out, write_model_card=False)
+    return {path.relative_to(out).as_posix(): path.read_bytes() for path in out.rglob("*")
+            if path.is_file() and path.suffix in (".py", ".txt")}
+
+
 @pytest.mark.parametrize("head", SHIPPED_HEADS, ids=lambda path: path.name)
-def test_shipped_heads_carry_the_decoding_method_and_current_remote_code(head):
-    for name in FILES:
-        assert (head / FOLDER / name).read_bytes() == (TEMPLATE_DIR / name).read_bytes(), f"{head.name}/{FOLDER}/{name}"
+def test_shipped_heads_carry_the_code_save_pretrained_writes(head, saved_code):
+    """A shipped head's remote code (`modeling_jakiro.py`, `configuration_jakiro.py`) and decoding method
+    (`custom_generate/`) are exactly what `save_pretrained` writes from the package now: refresh them by saving the
+    head again (`AutoModel.from_pretrained(head).save_pretrained(head)`) after changing the package."""
+    assert {"modeling_jakiro.py", "configuration_jakiro.py", *(f"{FOLDER}/{name}" for name in FILES)} <= set(saved_code)
+    for name, content in saved_code.items():
+        assert (head / name).read_bytes() == content, f"{head.name}/{name} differs from what save_pretrained writes"
     modeling = (head / "modeling_jakiro.py").read_text()
     assert "def generation_config(self)" in modeling and INSTALL in modeling
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from test_tree import brute_force_ancestors, recorded_trees
 from tiny_models import ARCHS, random_prompt, trained_pairs
 from transformers_jakiro import JakiroDraftModel, jakiro_generate, tree_settings
-from transformers_jakiro.generation import JakiroCandidateGenerator, TreeSettings
+from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.lookup import NgramIndex
 from transformers_jakiro.tree import DraftTree, ancestor_matrix, graft_chains
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from transformers_jakiro.sharegpt import is_data_spec, iter_json_array, read_sources, sharegpt_messages
-from transformers_jakiro.train import read_conversations
+from transformers_jakiro.training.sharegpt import is_data_spec, iter_json_array, read_sources, sharegpt_messages
+from transformers_jakiro.training import read_conversations
 
 
 def record(i, first="human", prompt=None):
@@ -85,7 +85,7 @@ def test_source_ranges_take_what_a_longer_limit_adds(tmp_path):
 
 
 def test_distill_reads_first_human_turns_from_a_data_spec(tmp_path):
-    from transformers_jakiro.distill import read_prompts
+    from transformers_jakiro.training.distill import read_prompts
 
     array = tmp_path / "sharegpt.json"
     write_truncated_array(array, [record(0), record(1, first="gpt"), record(2), record(3)])
@@ -95,7 +95,7 @@ def test_distill_reads_first_human_turns_from_a_data_spec(tmp_path):
 
 
 def test_distill_data_spec_skips_benchmark_prompts_in_every_format(tmp_path, monkeypatch):
-    from transformers_jakiro import distill
+    from transformers_jakiro.training import distill
 
     monkeypatch.setattr(distill, "benchmark_prompts", lambda: {"bench question?"})
     lines = [{"prompt": "Bench  Question?"}, {"turns": ["bench question?"]}, record(0, prompt="BENCH question?"),

@@ -37,6 +37,9 @@ class JakiroConfig(PreTrainedConfig):
     occurrence of the current suffix join the tree as a chain, verified in the same forward, on top of
     `total_tokens`), `lookup_max_ngram` (longest suffix n-gram matched, down to 1), `lookup_chains` (distinct
     continuations added per round).
+
+    Round control: `adaptive` (True: every round the decoder chooses between a plain step, lookup alone, a smaller
+    tree and the tree above by measured tokens per second, `adaptive.py`; False: this tree every round).
     """
 
     model_type = "jakiro"
@@ -66,6 +69,7 @@ class JakiroConfig(PreTrainedConfig):
     lookup_tokens: int = 0
     lookup_max_ngram: int = 3
     lookup_chains: int = 1
+    adaptive: bool = True
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
 

@@ -8,7 +8,10 @@ Importing the package registers model_type "jakiro" with AutoConfig/AutoModel an
 from transformers import AutoConfig, AutoModel
 
 from .configuration_jakiro import JakiroConfig
-from .generation import JakiroCandidateGenerator, JakiroGenerationStats, install_generate_hook, jakiro_generate, tree_settings
+from .decoding import jakiro_generate
+from .drafting import JakiroCandidateGenerator
+from .generation import install_generate_hook, tree_settings
+from .stats import JakiroGenerationStats
 from .modeling_jakiro import JakiroDraftModel, JakiroDraftOutput
 
 __version__ = "0.1.0"

@@ -7,9 +7,9 @@ Two entry points run the same loop (`decoding.jakiro_decode`):
   * `target.generate(**inputs, custom_generate=jakiro_generate, draft=draft, total_tokens=...)`: the public
     `custom_generate` hook, with per-call tree settings as keyword arguments.
 
-The parts live in their own modules: `drafting.py` (tree settings, the candidate generator), `decoding.py` (stats,
-one verification round, the loop, `jakiro_generate`). This module keeps the patch of transformers and the per-call
-tree settings, and re-exports the public names so that `transformers_jakiro.generation` imports keep working.
+The parts live in their own modules: `drafting.py` (tree settings, the candidate generator), `decoding.py` (one
+verification round, the loop, `jakiro_generate`). This module keeps the patch of transformers and the per-call tree
+settings.
 """
 
 import contextlib
@@ -17,15 +17,8 @@ import inspect
 
 from transformers.generation.utils import GenerationMixin
 
-from .decoding import (
-    JakiroGenerationStats,
-    jakiro_decode,
-    jakiro_generate,
-    lazy_leaf_head,
-    refuse_synced_gpus,
-    verify_tree,
-)
-from .drafting import JakiroCandidateGenerator, TreeSettings
+from .decoding import jakiro_decode, refuse_synced_gpus
+from .drafting import TreeSettings
 from .modeling_jakiro import JakiroDraftModel
 
 
@@ -157,14 +150,4 @@ def tree_settings(draft: JakiroDraftModel, **overrides):
 # Here as well as in the package's __init__: a reload of this module alone then routes to the reloaded code.
 install_generate_hook()
 
-__all__ = [
-    "JakiroCandidateGenerator",
-    "JakiroGenerationStats",
-    "TreeSettings",
-    "install_generate_hook",
-    "jakiro_decode",
-    "jakiro_generate",
-    "lazy_leaf_head",
-    "tree_settings",
-    "verify_tree",
-]
+__all__ = ["install_generate_hook", "tree_settings"]
