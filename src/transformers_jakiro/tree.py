@@ -115,8 +115,7 @@ class DraftTree:
         A float mask (0 / dtype-min) rather than a bool one: transformers' eager attention adds 4D masks, so a bool
         mask would be silently wrong there."""
         n = self.num_nodes
-        prefix = torch.ones(n, past_length, dtype=torch.bool, device=self.tokens.device)
-        prefix[:, :padding] = False
+        prefix = (torch.arange(past_length, device=self.tokens.device) >= padding).expand(n, past_length)
         visible = torch.cat([prefix, self.ancestors], dim=1)
         if kv_length is not None:
             if kv_length < past_length + n:
@@ -130,8 +129,7 @@ class DraftTree:
     def has_children(self) -> torch.BoolTensor:
         """[n] True for nodes with at least one child."""
         has_child = torch.zeros(self.num_nodes, dtype=torch.bool, device=self.tokens.device)
-        has_child[self.parents[1:]] = True
-        return has_child
+        return has_child.index_fill_(0, self.parents[1:], True)
 
     def leaves(self) -> torch.LongTensor:
         return torch.nonzero(~self.has_children()).flatten()
@@ -153,16 +151,18 @@ class DraftTree:
 
 
 def ancestor_matrix(parents: torch.LongTensor, max_depth: int) -> torch.BoolTensor:
-    """ancestors[i, j] = j is i or one of its ancestors, for a parent array with -1 at the root (index 0)."""
+    """ancestors[i, j] = j is i or one of its ancestors, for a parent array with -1 at the root (index 0).
+
+    Built with `scatter_` of a constant: writing a Python scalar through advanced indexing
+    (`ancestors[index, current] = True`) turns it into a tensor first, a blocking host-to-device copy per level on an
+    accelerator."""
     n = parents.numel()
-    index = torch.arange(n, device=parents.device)
     step = parents.clamp(min=0)  # the root is its own parent: walking past it stays at the root
-    ancestors = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
-    ancestors[index, index] = True
-    current = index
+    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
+    current = torch.arange(n, device=parents.device)
     for _ in range(max_depth):
         current = step[current]
-        ancestors[index, current] = True
+        ancestors.scatter_(1, current[:, None], True)
     return ancestors
 
 
@@ -213,8 +213,7 @@ def flatten_tree(
     nodes = torch.cat([order.new_zeros(1), torch.sort(order).values])  # recorded order is breadth-first
     position = torch.full_like(tokens, -1)
     position[nodes] = torch.arange(nodes.numel(), device=tokens.device)
-    flat_parents = position[parents[nodes]]
-    flat_parents[0] = -1
+    flat_parents = torch.cat([parents.new_full((1,), -1), position[parents[nodes[1:]]]])
     flat_depths = depths[nodes]
     return DraftTree(
         tokens=tokens[nodes],

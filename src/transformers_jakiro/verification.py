@@ -43,12 +43,14 @@ def accept(tree: DraftTree, choices: torch.LongTensor) -> tuple[torch.LongTensor
     if tree.real is not None:  # padding nodes (`DraftTree.padded`) are never accepted
         matches &= tree.real
     accepted = ~(tree.ancestors & ~matches[None, :]).any(dim=1)  # every node on the way down matched
-    deepest = torch.argmax(torch.where(accepted, tree.depths, -1))
-    on_path = torch.where(tree.ancestors[deepest], torch.arange(tree.num_nodes, device=tree.tokens.device), -1)
+    # [1]: indexing with a 0-dim tensor would read it on the host (`item`); index_select keeps it on the device
+    deepest = torch.argmax(torch.where(accepted, tree.depths, -1))[None]
+    row = tree.ancestors.index_select(0, deepest)[0]
+    on_path = torch.where(row, torch.arange(tree.num_nodes, device=tree.tokens.device), -1)
     # one ancestor per depth: the maximum over a depth's nodes picks it out of the -1s of the others
     path = torch.full((tree.levels + 1,), -1, dtype=torch.long, device=tree.tokens.device)
     path = path.scatter_reduce(0, tree.depths, on_path, reduce="amax")
-    return path, choices[deepest]
+    return path, choices.index_select(0, deepest)[0]
 
 
 def path_nodes(path: torch.LongTensor) -> torch.LongTensor:
