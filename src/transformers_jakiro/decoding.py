@@ -120,6 +120,8 @@ class VerifiedRound:
                states, after the outputs of the draft's `target_feature_layers` if it names any.
     lookup_accepted: accepted nodes that only the n-gram lookup proposed (read in the same copy); None when the tree
                had no lookup nodes.
+    stops:     whether generation stops after each of the m tokens (read in the same copy), when `verify_tree` was
+               given the stopping verdicts to compute; None otherwise.
     """
 
     path: torch.LongTensor
@@ -130,6 +132,7 @@ class VerifiedRound:
     raw: torch.Tensor
     features: torch.Tensor
     lookup_accepted: int | None = None
+    stops: list[bool] | None = None
 
 
 def verify_tree(
@@ -145,6 +148,7 @@ def verify_tree(
     past: int | None = None,
     forward=None,
     feature_layers=(),
+    verdicts=None,
 ):
     """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
     depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
@@ -160,6 +164,9 @@ def verify_tree(
     caller knows it (a StaticCache reports it as a device tensor, which would cost a sync to read). `forward`: the
     callable that runs the target (a compiled `target.__call__`); the target itself by default. `feature_layers`: the
     decoder layers whose outputs the draft reads besides the last hidden state (`config.target_feature_layers`).
+    `verdicts(tokens, scores)`: the stopping criteria's verdicts [w] (bool, on the device) after each of the round's
+    tokens, given them padded to a fixed width w ([w] ids, [w, vocab] scores; entries past the round's length are
+    placeholders, their verdicts ignored): read in the round's one copy into `VerifiedRound.stops`.
     """
     static = is_static(cache)
     if past is None:
@@ -195,7 +202,11 @@ def verify_tree(
         bonus = verification.target_choices(processed, do_sample)
         lookup_accepted = None if tree.from_lookup is None else 0
         path = torch.zeros(1, dtype=torch.long, device=bonus.device)
-        return VerifiedRound(path, bonus[0], bonus, bonus.tolist(), processed, raw, features, lookup_accepted)
+        if verdicts is None:
+            return VerifiedRound(path, bonus[0], bonus, bonus.tolist(), processed, raw, features, lookup_accepted)
+        host = torch.cat([bonus, verdicts(bonus, processed).long()]).tolist()  # the round's one copy
+        stops = [bool(v) for v in host[1:]]
+        return VerifiedRound(path, bonus[0], bonus, host[:1], processed, raw, features, lookup_accepted, stops)
     leaf = {}
 
     def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
@@ -205,22 +216,42 @@ def verify_tree(
         return leaf["processed"][0]
 
     padded_path, bonus = verification.verify(tree, processed, do_sample, None if internal is None else leaf_logits)
-    # The round's one device-to-host copy: the padded path (its length) with the tokens along it and the bonus.
+    # The round's one device-to-host copy: the padded path (its length) with the tokens along it and the bonus, the
+    # lookup count, and the stopping verdicts after each token.
     padded_tokens = tree.tokens[padded_path.clamp(min=0)]
     fetch = [padded_path, padded_tokens, bonus[None]]
     if tree.from_lookup is not None:  # how many accepted nodes only the n-gram lookup proposed
         fetch.append((tree.from_lookup[padded_path.clamp(min=0)] & (padded_path >= 0)).sum()[None])
-    host = torch.cat(fetch).tolist()
-    lookup_accepted = host.pop() if tree.from_lookup is not None else None
     width = padded_path.numel()
+    if verdicts is not None:
+        # The round's tokens padded to the path's width: token i is the draft token of path node i + 1, or the bonus
+        # at i = m - 1 (m: the path's length); their scores are the processed logits of path node i.
+        length = (padded_path >= 0).sum()
+        index = torch.arange(width, device=padded_path.device)
+        round_tokens = torch.where(index == length - 1, bonus, torch.cat([padded_tokens[1:], bonus[None]]))
+        rows = padded_path.clamp(min=0)
+        if internal is not None:  # processed holds internal nodes' rows: a leaf's position stands in (ignored)
+            lookup_row = torch.full_like(tree.tokens, 0).index_copy_(
+                0, internal, torch.arange(internal.numel(), device=internal.device))
+            rows = lookup_row[rows]
+        round_scores = processed[rows]
+        if leaf:  # the path ends at a leaf: the bonus token's scores are the leaf's
+            round_scores = torch.where((index == length - 1)[:, None], leaf["processed"], round_scores)
+        fetch.append(verdicts(round_tokens, round_scores).long())
+    host = torch.cat(fetch).tolist()
+    stops = None
+    if verdicts is not None:
+        stops, host = host[-width:], host[:-width]
+    lookup_accepted = host.pop() if tree.from_lookup is not None else None
     m = sum(node >= 0 for node in host[:width])
+    stops = None if stops is None else [bool(v) for v in stops[:m]]
     path = padded_path[:m]
     token_ids = host[width + 1 : width + m] + host[-1:]
     tokens = torch.cat([padded_tokens[1:m], bonus[None]])
     keep_accepted(cache, past, path)
     if internal is None:
         return VerifiedRound(
-            path, bonus, tokens, token_ids, processed[path], raw[path], features[path], lookup_accepted
+            path, bonus, tokens, token_ids, processed[path], raw[path], features[path], lookup_accepted, stops
         )
 
     row = torch.full_like(tree.tokens, -1)
@@ -230,7 +261,7 @@ def verify_tree(
         processed, raw = torch.cat([processed[rows], leaf["processed"]]), torch.cat([raw[rows], leaf["raw"]])
     else:
         processed, raw = processed[row[path]], raw[row[path]]
-    return VerifiedRound(path, bonus, tokens, token_ids, processed, raw, features[path], lookup_accepted)
+    return VerifiedRound(path, bonus, tokens, token_ids, processed, raw, features[path], lookup_accepted, stops)
 
 
 @torch.no_grad()
@@ -283,15 +314,17 @@ def jakiro_decode(
         limits.refuse_unfollowable(generation_config.max_length, static)
 
     def emit(
-        tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor, choice="prefill"
+        tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor, choice="prefill",
+        stops: list[bool] | None = None,
     ) -> bool:
         """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends. The m
-        stopping verdicts (`stop_verdicts`) are read on the host together (one sync), and the round is cut after
-        the first token that stops."""
+        stopping verdicts (`stop_verdicts`) come read with the round (`stops`), or are read here together (one
+        sync), and the round is cut after the first token that stops."""
         nonlocal sequence
         start = sequence.shape[1]
         sequence = torch.cat([sequence, tokens[None].to(sequence.device)], dim=1)
-        stops = stop_verdicts(stopping_criteria, sequence, start, processed, len(token_ids)).tolist()
+        if stops is None:
+            stops = stop_verdicts(stopping_criteria, sequence, start, processed, len(token_ids)).tolist()
         count = stops.index(True) + 1 if True in stops else len(token_ids)
         sequence = sequence[:, : start + count]
         if keep_scores:
@@ -349,14 +382,19 @@ def jakiro_decode(
 
         tic = time.perf_counter()
         past = sequence.shape[1] - 1  # the cache holds everything but the root, the last accepted token
+        def verdicts(round_tokens, round_scores, prefix=sequence):
+            extended = torch.cat([prefix, round_tokens[None].to(prefix.device)], dim=1)
+            return stop_verdicts(stopping_criteria, extended, prefix.shape[1], round_scores, round_tokens.numel())
+
         verified = verify_tree(
             target, cache, cache_arg, tree, sequence, logits_processor, do_sample, leaf_head, padding, past, forward,
-            draft.config.target_feature_layers,
+            draft.config.target_feature_layers, verdicts,
         )
         candidates.set_features(verified.features)
         stats.verify_time_s += time.perf_counter() - tic
         choice = candidates.last_choice
-        finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw, choice.name)
+        finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw, choice.name,
+                        verified.stops)
         if controller is not None:
             seconds = time.perf_counter() - round_started - candidates.catch_up_s
             chain_tokens = verified.lookup_accepted or 0
