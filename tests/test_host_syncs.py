@@ -1,81 +1,36 @@
-"""Host syncs per verify round, counted, so that they cannot creep back.
+"""Host syncs per round, counted, so that they cannot creep back.
 
-On an accelerator every place where the host waits for a device value stalls the launch queue; with a cheap draft
-and a fast target they decide the speed. Where CUDA is present its sync debug mode counts every blocking call. On a
-CPU the same places are counted at the Python level: the calls that read a tensor's value on the host (`item`,
-`tolist`, `bool`, `int`, `float`, `nonzero`, `torch.equal`, `.cpu()`, boolean-mask indexing) and `new_tensor` (a
-blocking host-to-device copy on an accelerator), wherever they run: our code, transformers' or torch's Python code.
+On an accelerator every place where the host waits for the device, or hands it host data, stalls the launch queue;
+with a cheap draft and a fast target they decide the speed. The count is a torch dispatch mode
+(`benchmarks/round_cost.py`, `HostSyncCounter`): value reads (`item`, `int()`, `bool()`, indexing with a 0-dim
+tensor), ops whose output size depends on data (`nonzero`, boolean-mask indexing), Python data turned into a tensor
+(`torch.tensor(list)`, a Python scalar written into a tensor: a blocking host-to-device copy on an accelerator), and
+`tolist` / `numpy` / `cpu`. Where CUDA is present its sync debug mode counts instead.
 
 The counted decode is the accelerator path (full logits in the verify forward; the CPU path's lazy leaf logits add a
-host round trip on purpose) with the default tree settings.
+host round trip on purpose), greedy, a tiny Llama; one row and a batch of four. The first round is left out: the
+draft's first forward also initializes its DynamicCache (transformers creates each layer's empty tensors then).
 """
 
-import contextlib
 import warnings
 
 import pytest
 import torch
 
+from benchmark_scripts import load_script
 from tiny_models import make_target, quick_trained_draft
-from transformers_jakiro import decoding
+from transformers_jakiro import decoding, tree_settings
+from transformers_jakiro.batch_drafting import BatchDrafter
 from transformers_jakiro.drafting import JakiroCandidateGenerator
 
-ROUND_LIMIT = 3  # greedy, no prefix-dependent logits processor
-ROUND_LIMIT_WITH_PREFIX_PROCESSORS = 5  # repetition_penalty, min_new_tokens
+HostSyncCounter = load_script("round_cost.py", "round_cost").HostSyncCounter
 
-
-class SyncCounter:
-    """Counts host syncs while active; `marks` records the count at the start of every draft round."""
-
-    _METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "new_tensor")
-    _FUNCTIONS = ("nonzero", "equal", "allclose")
-
-    def __init__(self):
-        self.count = 0
-        self.marks = []
-
-    def _counted(self, function):
-        def wrapper(*args, **kwargs):
-            self.count += 1
-            return function(*args, **kwargs)
-
-        return wrapper
-
-    def _counted_if_bool_index(self, function):
-        def wrapper(tensor, index, *rest):
-            indices = index if isinstance(index, tuple) else (index,)
-            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
-                self.count += 1  # a boolean mask index needs the number of True entries on the host
-            return function(tensor, index, *rest)
-
-        return wrapper
-
-    @contextlib.contextmanager
-    def python_level(self, monkeypatch):
-        for name in self._METHODS:
-            monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name)))
-        for name in self._FUNCTIONS:
-            monkeypatch.setattr(torch, name, self._counted(getattr(torch, name)))
-        for name in ("__getitem__", "__setitem__"):
-            monkeypatch.setattr(torch.Tensor, name, self._counted_if_bool_index(getattr(torch.Tensor, name)))
-        yield self
-
-    @contextlib.contextmanager
-    def cuda(self):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                yield self
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        self.count = sum("synchronizing" in str(w.message).lower() for w in caught)
-
-    def per_round(self, end: int) -> list[int]:
-        """Syncs of each draft-verify round: from one round's drafting to the next's (the last to `end`)."""
-        bounds = self.marks + [end]
-        return [b - a for a, b in zip(bounds, bounds[1:])]
+ROUND_LIMIT = 1  # one row, greedy: the round's one read (path, tokens, lookup count, stopping verdicts)
+ROUND_LIMIT_WITH_PREFIX_PROCESSORS = 2  # repetition_penalty, min_new_tokens: the nodes per depth are read once more
+# Grafting lookup chains on the host reads the draft tree's tokens and parents, and uploads the grafted tree.
+ROUND_LIMIT_WITH_LOOKUP = 3
+BATCH_ROUND_LIMIT = 2  # B = 4: the round's one read, and one upload of the rows' lengths and positions to the draft
+BATCH_LEAVING_EXTRA = 3  # a round after which rows finish: the kept rows' index, each cache's columns that stay
 
 
 @pytest.fixture(scope="module")
@@ -84,34 +39,68 @@ def pair():
     return target, quick_trained_draft(target)
 
 
-def count_round_syncs(target, draft, monkeypatch, **generate_kwargs) -> list[int]:
+class _Marks:
+    """The counter's total at the start of every round (the draft side's first call of the round)."""
+
+    def __init__(self, counter):
+        self.counter, self.at = counter, []
+
+    def wrap(self, method):
+        def marked(*args, **kwargs):
+            self.at.append(self.counter.total if self.counter.active else 0)
+            return method(*args, **kwargs)
+
+        return marked
+
+    def per_round(self, end: int) -> list[int]:
+        bounds = self.at + [end]
+        return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+class _Counter(HostSyncCounter):
+    active = False
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+
+def count_round_syncs(target, draft, monkeypatch, prompt=None, **generate_kwargs) -> list[int]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, draft = target.to(device), draft.to(device)
-    counter = SyncCounter()
     monkeypatch.setattr(decoding, "lazy_leaf_head", lambda *args: None)  # the accelerator path
-    get_candidates = JakiroCandidateGenerator.get_candidates
-
-    def marked(self, input_ids, choice=None):
-        counter.marks.append(counter.count)
-        return get_candidates(self, input_ids, choice)
-
-    monkeypatch.setattr(JakiroCandidateGenerator, "get_candidates", marked)
-    prompt = torch.tensor([[3, 4, 5, 6, 7, 8]], device=device)
-    with monkeypatch.context() as patches:
-        context = counter.cuda() if device == "cuda" else counter.python_level(patches)
-        with context:
-            target.generate(prompt, do_sample=False, max_new_tokens=48, assistant_model=draft, **generate_kwargs)
-            end = counter.count
+    counter = _Counter()
+    marks = _Marks(counter)
+    monkeypatch.setattr(JakiroCandidateGenerator, "get_candidates", marks.wrap(JakiroCandidateGenerator.get_candidates))
+    monkeypatch.setattr(BatchDrafter, "propose", marks.wrap(BatchDrafter.propose))
+    prompt = (torch.tensor([[3, 4, 5, 6, 7, 8]]) if prompt is None else prompt).to(device)
+    kwargs = dict(do_sample=False, max_new_tokens=48, assistant_model=draft, **generate_kwargs)
     if device == "cuda":  # the debug mode counts in one block; per-round marks are not available there
-        rounds = draft.last_generation_stats.rounds - 1
-        return [end / max(rounds, 1)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                target.generate(prompt, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = sum("synchronizing" in str(w.message).lower() for w in caught)
+        return [syncs / max(draft.last_generation_stats.rounds - 1, 1)]
+    with counter:
+        target.generate(prompt, **kwargs)
+        end = counter.total
     stats = draft.last_generation_stats
-    assert len(counter.marks) == stats.rounds - 1 and stats.mean_accepted_length > 1.5  # rounds accept several tokens
-    return counter.per_round(end)
+    assert len(marks.at) == stats.rounds - 1 and stats.mean_accepted_length > 1.5  # rounds accept several tokens
+    return marks.per_round(end)[1:]
 
 
 def test_syncs_per_round_greedy(pair, monkeypatch):
-    per_round = count_round_syncs(*pair, monkeypatch)
+    with tree_settings(pair[1], total_tokens=60, depth=5, top_k=10):
+        per_round = count_round_syncs(*pair, monkeypatch)
     print("syncs per round:", per_round)
     assert max(per_round) <= ROUND_LIMIT
 
@@ -125,14 +114,12 @@ def test_syncs_per_round_with_prefix_dependent_processors(pair, monkeypatch):
 def test_syncs_per_round_with_ngram_lookup(pair, monkeypatch):
     """Lookup costs at most one more: the index is fed from the tokens each round already copies to the host, and
     grafting reads the draft tree's tokens and parents in one copy in rounds that found a chain."""
-    from transformers_jakiro import tree_settings
-
     target, draft = pair
     with tree_settings(draft, lookup_tokens=10):
         per_round = count_round_syncs(target, draft, monkeypatch)
     print("syncs per round:", per_round, "lookup rounds:", draft.last_generation_stats.lookup_rounds)
     assert draft.last_generation_stats.lookup_rounds > 0
-    assert max(per_round) <= ROUND_LIMIT + 1
+    assert max(per_round) <= ROUND_LIMIT_WITH_LOOKUP
 
 
 def test_syncs_per_round_static_cache(pair, monkeypatch):
@@ -141,3 +128,12 @@ def test_syncs_per_round_static_cache(pair, monkeypatch):
     per_round = count_round_syncs(*pair, monkeypatch, cache_implementation="static")
     print("syncs per round (static):", per_round)
     assert max(per_round) <= ROUND_LIMIT
+
+
+def test_syncs_per_round_batch_of_four(pair, monkeypatch):
+    prompts = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3, 5, 7, 9, 11, 13], [20, 4, 20, 4, 20, 4]])
+    per_round = count_round_syncs(*pair, monkeypatch, prompt=prompts, pad_token_id=0)
+    print("syncs per round (B = 4):", per_round)
+    leaving = len(prompts) - 1  # at most this many rounds end with rows finishing (the last one ends the loop)
+    assert max(sorted(per_round)[: len(per_round) - leaving]) <= BATCH_ROUND_LIMIT
+    assert max(per_round) <= BATCH_ROUND_LIMIT + BATCH_LEAVING_EXTRA

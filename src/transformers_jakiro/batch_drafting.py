@@ -122,9 +122,11 @@ class BatchDrafter:
         truncate(self.cache, length)
         self.present, self.queued, self.lookup_length = list(present), [list(q) for q in queued], list(lookup_length)
 
-    def select(self, rows: list[int]) -> None:
-        """Keep these rows (indices into the current batch), in this order."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.key_mask.device)
+    def select(self, rows: list[int], index: torch.LongTensor | None = None) -> None:
+        """Keep these rows (indices into the current batch), in this order (`index`: the same on the device, when the
+        caller has it)."""
+        device = self.key_mask.device
+        index = torch.tensor(rows, dtype=torch.long, device=device) if index is None else index.to(device)
         select_rows(self.cache, index)
         self.key_mask = self.key_mask[index]
         for name in ("present", "queued", "lookup", "lookup_length", "copied"):
@@ -134,12 +136,10 @@ class BatchDrafter:
 
     def _drop_holes(self) -> None:
         """Remove cache columns that are holes in every row (left after the rows that needed them finished)."""
-        keep = self.key_mask.any(dim=0)
-        if bool(keep.all()):
-            return
-        columns = torch.nonzero(keep).flatten()
-        select_positions(self.cache, columns)
-        self.key_mask = self.key_mask[:, columns]
+        columns = torch.nonzero(self.key_mask.any(dim=0)).flatten()  # one read: which columns stay
+        if columns.numel() < self.key_mask.shape[1]:
+            select_positions(self.cache, columns)
+            self.key_mask = self.key_mask[:, columns]
 
     def _mask(self, visible_new: torch.BoolTensor) -> torch.BoolTensor:
         """[rows, 1, q, cached + new] bool: each query sees its row's present cached entries and `visible_new`
@@ -166,18 +166,20 @@ class BatchDrafter:
         for row, (f, t) in enumerate(zip(features, tokens)):
             padded_features[row, : f.shape[0]] = f
             padded_tokens[row, : t.shape[0]] = t
-        lengths_t = torch.tensor(lengths, device=device)
+        # The host's lengths and positions in one upload (each `torch.tensor` of host data is a copy to the device)
+        lengths_t, present_t = torch.tensor([lengths, self.present], device=device)
         steps = torch.arange(longest, device=device)
         valid = steps[None, :] < lengths_t[:, None]  # [rows, longest]
         causal = steps[None, :, None] >= steps[None, None, :]  # query j sees new entries <= j
         visible = causal & valid[:, None, :]
-        positions = torch.tensor(self.present, device=device)[:, None] + steps[None, :]
+        positions = present_t[:, None] + steps[None, :]
         out = draft(
             input_ids=padded_tokens.to(device), hidden_states=padded_features, position_ids=positions,
             attention_mask=self._mask(visible), cache=self.cache,
         )
         self.key_mask = torch.cat([self.key_mask, valid], dim=1)
         self.present = [p + m for p, m in zip(self.present, lengths)]
+        self.stable = present_t + lengths_t  # the same on the device: each row's root was read at stable - 1
         self.queued = [[] for _ in range(self.batch)]
         self.catch_up_s = (time.perf_counter() - tic) * (1.0 - newest / longest)  # as the one-row drafter's
         last = (lengths_t - 1)[:, None, None]
@@ -201,7 +203,7 @@ class BatchDrafter:
         k = min(top_k, self.top_k)
         left, right = self._read()
         rows = self.batch
-        stable = torch.tensor(self.present, device=device)  # each row's root was read at position stable - 1
+        stable = self.stable  # each row's root was read at position stable - 1 (set by `_read`)
         cached = self.key_mask.shape[1]
 
         tokens_by_level, parents_by_level, scores_by_level, depths_by_level = [], [], [], []

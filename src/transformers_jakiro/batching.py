@@ -103,7 +103,9 @@ class BatchVerdict:
     paths: accepted nodes, root first. tokens: the round's new tokens (accepted draft tokens, then the bonus).
     token_ids: the same on the host. scores: processed logits at the path's nodes (the new tokens' scores).
     lookup_accepted: accepted nodes only the n-gram lookup proposed (None without lookup nodes).
-    features: [rows, n, width] the target's features at every node (the draft reads the paths' next round)."""
+    features: [rows, n, width] the target's features at every node (the draft reads the paths' next round).
+    stops: per row, whether generation stops after each of its tokens (read with the paths), when `verify` was given
+    the stopping criteria; else None."""
 
     paths: list
     tokens: list
@@ -111,6 +113,7 @@ class BatchVerdict:
     scores: list
     lookup_accepted: list
     features: torch.Tensor
+    stops: list | None = None
 
 
 class BatchVerifier:
@@ -131,21 +134,22 @@ class BatchVerifier:
         length, self.key_mask, self.present = state
         truncate(self.cache, length)
 
-    def select(self, rows: list[int]) -> None:
-        """Keep these rows, in this order; cache columns that are then holes in every row go too."""
-        index = torch.tensor(rows, device=self.key_mask.device)
+    def select(self, rows: list[int], index: torch.LongTensor | None = None) -> None:
+        """Keep these rows, in this order (`index`: the same on the device, when the caller has it); cache columns
+        that are then holes in every row go too (one read: which columns those are)."""
+        index = torch.tensor(rows, device=self.key_mask.device) if index is None else index.to(self.key_mask.device)
         select_rows(self.cache, index)
         self.key_mask, self.present = self.key_mask[index], self.present[index]
-        keep = self.key_mask.any(dim=0)
-        if not bool(keep.all()):
-            columns = torch.nonzero(keep).flatten()
+        columns = torch.nonzero(self.key_mask.any(dim=0)).flatten()
+        if columns.numel() < self.key_mask.shape[1]:
             select_positions(self.cache, columns)
             self.key_mask = self.key_mask[:, columns]
 
-    def verify(self, trees: list[DraftTree], sequences, processors, do_sample: bool) -> BatchVerdict:
+    def verify(self, trees: list[DraftTree], sequences, processors, do_sample: bool, stopping_criteria=None) -> BatchVerdict:
         """One forward over every row's tree (padded to one size), each row's acceptance by the one-row rule with its
         own `sequences[r]` ([1, length], ending with its root) and `processors[r]`, one device-to-host copy for the
-        batch, and the cache compacted: every row keeps M = the longest path's entries, its own path then holes."""
+        batch (with `stopping_criteria`, each row's stopping verdicts after each of its tokens too), and the cache
+        compacted: every row keeps M = the longest path's entries, its own path then holes."""
         target, device = self.target, self.key_mask.device
         tokens, depths, ancestors = _stack_trees(trees)
         cached = self.key_mask.shape[1]
@@ -168,26 +172,38 @@ class BatchVerifier:
             picks.append((path, bonus, processed))
             lookup = tree.from_lookup
             counted = (lookup[path.clamp(min=0)] & (path >= 0)).sum()[None] if lookup is not None else path.new_zeros(1)
-            fetch.append(torch.cat([path, tree.tokens[path.clamp(min=0)], bonus[None], counted]))
-        host = torch.cat(fetch).tolist()
-        verdict = BatchVerdict([], [], [], [], [], features)
+            path_tokens = tree.tokens[path.clamp(min=0)]
+            fetch.append(torch.cat([path, path_tokens, bonus[None], counted]))
+            if stopping_criteria is not None:  # the row's tokens padded to its path's width, as in `decoding`
+                width = path.numel()
+                index = torch.arange(width, device=device)
+                round_tokens = torch.where(index == (path >= 0).sum() - 1, bonus,
+                                           torch.cat([path_tokens[1:], bonus[None]]))
+                extended = torch.cat([sequences[r], round_tokens[None].to(sequences[r].device)], dim=1)
+                fetch.append(stop_verdicts(stopping_criteria, extended, sequences[r].shape[1],
+                                           processed[path.clamp(min=0)], width).long())
+        host = torch.cat(fetch).tolist()  # the round's one copy for the whole batch
+        verdict = BatchVerdict([], [], [], [], [], features, [] if stopping_criteria is not None else None)
         at = 0
         for (path, bonus, processed), tree in zip(picks, trees):
             width = path.numel()
-            chunk = host[at : at + 2 * width + 2]
-            at += 2 * width + 2
+            size = 2 * width + 2 + (width if stopping_criteria is not None else 0)
+            chunk = host[at : at + size]
+            at += size
             m = sum(node >= 0 for node in chunk[:width])
             verdict.paths.append(path[:m])
             verdict.token_ids.append(chunk[width + 1 : width + m] + [chunk[2 * width]])
             verdict.tokens.append(torch.cat([tree.tokens[path[1:m]], bonus[None]]))
             verdict.scores.append(processed[path[:m]])
-            verdict.lookup_accepted.append(chunk[-1] if tree.from_lookup is not None else None)
+            verdict.lookup_accepted.append(chunk[2 * width + 1] if tree.from_lookup is not None else None)
+            if stopping_criteria is not None:
+                verdict.stops.append([bool(v) for v in chunk[2 * width + 2 : 2 * width + 2 + m]])
 
         most = max(path.numel() for path in verdict.paths)
         nodes = torch.zeros(len(trees), most, dtype=torch.long, device=device)
         for r, path in enumerate(verdict.paths):
             nodes[r, : path.numel()] = path
-        lengths = torch.tensor([path.numel() for path in verdict.paths], device=device)
+        lengths = torch.stack([(path >= 0).sum() for path, _, _ in picks])  # on the device: no upload
         if tokens.shape[1] > 1:  # a plain round's one entry per row is already in place
             keep_accepted_rows(self.cache, cached, nodes)
         self.key_mask = torch.cat([self.key_mask, torch.arange(most, device=device)[None, :] < lengths[:, None]], 1)
@@ -264,9 +280,10 @@ def batch_decode(
         if not active:
             break
         if len(active) < len(rows):  # finished rows leave the batch
-            verifier.select(active)
-            drafter.select(active)
-            roots = roots[torch.tensor(active, device=roots.device)]
+            index = torch.tensor(active, device=roots.device)  # one upload for the three selections
+            verifier.select(active, index)
+            drafter.select(active, index)
+            roots = roots[index]
             rows = [rows[r] for r in active]
 
         tic = round_started = time.perf_counter()
@@ -281,12 +298,13 @@ def batch_decode(
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
-        verdict = verifier.verify(trees, [row.sequence for row in rows], [row.processors for row in rows], do_sample)
+        verdict = verifier.verify(trees, [row.sequence for row in rows], [row.processors for row in rows], do_sample,
+                                  stopping_criteria)
         paths, new_tokens, token_ids = verdict.paths, verdict.tokens, verdict.token_ids
         roots = torch.stack([tokens_r[-1] for tokens_r in new_tokens])
         stats.verify_time_s += time.perf_counter() - tic
 
-        done = _emit(rows, new_tokens, token_ids, verdict.scores, stopping_criteria, name, stats)
+        done = _emit(rows, new_tokens, token_ids, verdict.scores, stopping_criteria, name, stats, verdict.stops)
         for r, path in enumerate(paths):
             if r not in done:
                 drafter.queue(r, verdict.features[r, path], new_tokens[r])
@@ -309,21 +327,26 @@ def batch_decode(
     return GenerateDecoderOnlyOutput(sequences=sequences)
 
 
-def _emit(rows, new_tokens, token_ids, scores, stopping_criteria, choice: str, stats) -> set[int]:
-    """Append each row's new tokens, checking the stopping criteria after every token (one host read for the whole
-    batch); returns the rows that finished. Each row's tokens after its first stop are dropped."""
+def _emit(rows, new_tokens, token_ids, scores, stopping_criteria, choice: str, stats, row_stops=None) -> set[int]:
+    """Append each row's new tokens, checking the stopping criteria after every token (`row_stops`: the verdicts read
+    with the round; else one host read for the whole batch here); returns the rows that finished. Each row's tokens
+    after its first stop are dropped."""
     starts = [row.sequence.shape[1] for row in rows]
     for row, tokens in zip(rows, new_tokens):
         row.sequence = torch.cat([row.sequence, tokens[None].to(row.sequence.device)], dim=1)
-    verdicts = [
-        stop_verdicts(stopping_criteria, row.sequence, start, row_scores, len(ids))
-        for row, start, row_scores, ids in zip(rows, starts, scores, token_ids)
-    ]
-    flat = torch.cat(verdicts).tolist()
-    done, at, added = set(), 0, 0
+    if row_stops is None:
+        verdicts = [
+            stop_verdicts(stopping_criteria, row.sequence, start, row_scores, len(ids))
+            for row, start, row_scores, ids in zip(rows, starts, scores, token_ids)
+        ]
+        flat = torch.cat(verdicts).tolist()
+        row_stops, at = [], 0
+        for ids in token_ids:
+            row_stops.append(flat[at : at + len(ids)])
+            at += len(ids)
+    done, added = set(), 0
     for r, (row, ids) in enumerate(zip(rows, token_ids)):
-        stops = flat[at : at + len(ids)]
-        at += len(ids)
+        stops = row_stops[r]
         count = stops.index(True) + 1 if True in stops else len(ids)
         row.sequence = row.sequence[:, : starts[r] + count]
         row.stats.record(count, choice)

@@ -263,9 +263,11 @@ class JakiroCandidateGenerator:
         device = tokens.device
         positions = torch.full((k,), position, device=device)
         if self.static:
-            full = torch.zeros(k, self.static_length, dtype=torch.bool, device=device)
-            full[:, :stable] = True
-            full[:, stable : stable + visible.shape[1]] = visible
+            # The cached prefix [0, stable), then `visible` over the tree's entries, then nothing: built from
+            # comparisons and a concatenation (a Python scalar written into a tensor is a host-to-device copy).
+            columns = torch.arange(self.static_length - visible.shape[1], device=device)
+            prefix = (columns < stable)[None].expand(k, -1)
+            full = torch.cat([prefix[:, :stable], visible, prefix[:, stable:]], dim=1)
             left, right, log_probs, ids = self._run_static(tokens, parent_features, positions, full)
             return left, right, log_probs, ids
         mask = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=device), visible], dim=1)

@@ -256,16 +256,18 @@ def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
         return tree
     order = sorted(range(len(tokens)), key=lambda i: (depths[i], i))  # breadth-first; old nodes keep their order
     position = {node: i for i, node in enumerate(order)}
-    flat_parents = torch.tensor([position[parents[i]] if i else -1 for i in order], device=device)
-    index = torch.tensor(order, device=device)
+    # One upload for the new tree's host data (each `torch.tensor` of host data is a copy to the device)
+    flat_parents, index, new_tokens, new_depths = torch.tensor(
+        [[position[parents[i]] if i else -1 for i in order], order, tokens, depths], device=device
+    )
     scores = torch.cat([tree.scores, tree.scores.new_zeros(len(tokens) - old)])
     from_lookup = index >= old
     if tree.from_lookup is not None:
         from_lookup |= torch.cat([tree.from_lookup, from_lookup.new_zeros(len(tokens) - old)])[index]
     return DraftTree(
-        tokens=torch.tensor(tokens, dtype=tree.tokens.dtype, device=device)[index],
+        tokens=new_tokens.to(tree.tokens.dtype)[index],
         parents=flat_parents,
-        depths=torch.tensor(depths, device=device)[index],
+        depths=new_depths[index],
         ancestors=ancestor_matrix(flat_parents, max(depths)),
         scores=scores[index],
         levels=max(tree.levels, max(depths)),
