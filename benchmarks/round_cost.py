@@ -222,13 +222,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.tree = tuple(int(x) for x in args.tree.split("/"))
     torch.set_num_threads(args.threads)
-    if not args.cpu_leaf_logits:  # count what runs on an accelerator, where leaf logits come from the forward
-        from transformers_jakiro import decoding
+    from transformers_jakiro import decoding
 
+    lazy_leaf_head = decoding.lazy_leaf_head
+    if not args.cpu_leaf_logits:  # count what runs on an accelerator, where leaf logits come from the forward
         decoding.lazy_leaf_head = lambda *_: None
-    target, draft, prompt = load(args)
-    step = measure(target, draft, prompt, args, jakiro=False)
-    round_ = measure(target, draft, prompt, args, jakiro=True)
+    try:
+        target, draft, prompt = load(args)
+        step = measure(target, draft, prompt, args, jakiro=False)
+        round_ = measure(target, draft, prompt, args, jakiro=True)
+    finally:
+        decoding.lazy_leaf_head = lazy_leaf_head
     label = f"{args.target} ({args.layers} layers)" if args.target == "tiny-llama" else args.target
     print(f"## Round cost: {label}, {args.dtype}, tree {'/'.join(map(str, args.tree))}"
           f"{f' + lookup {args.lookup}' if args.lookup else ''}, {'compiled, static cache' if args.compiled else 'eager'}"

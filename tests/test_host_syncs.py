@@ -137,3 +137,15 @@ def test_syncs_per_round_batch_of_four(pair, monkeypatch):
     leaving = len(prompts) - 1  # at most this many rounds end with rows finishing (the last one ends the loop)
     assert max(sorted(per_round)[: len(per_round) - leaving]) <= BATCH_ROUND_LIMIT
     assert max(per_round) <= BATCH_ROUND_LIMIT + BATCH_LEAVING_EXTRA
+
+
+def test_the_round_cost_script_reports_a_round_against_a_step():
+    """`benchmarks/round_cost.py` on the tiny Llama: one host read per round, one target call and `depth` draft calls
+    per round, one target call per plain step."""
+    script = load_script("round_cost.py", "round_cost_main")
+    step, round_ = script.main(["--new-tokens", "8", "--repeats", "1", "--warmup", "0", "--tree", "20/3/4"])
+    assert step["target_calls"] == 1 and step["draft_calls"] == 0
+    assert round_["target_calls"] == 1 and round_["draft_calls"] == 3 and round_["syncs"] <= 1.5
+    assert round_["ops"] > step["ops"] > 0 and round_["seconds"] > 0
+    assert decoding.lazy_leaf_head is not None and decoding.lazy_leaf_head.__name__ == "lazy_leaf_head"  # restored
+
