@@ -4,71 +4,39 @@ A round can verify
   * `plain`:  the last accepted token alone (one target step, no draft forward): exactly 1 new token;
   * `lookup`: n-gram lookup chains alone (no draft forward), when the context offers one;
   * `tree T/D/K`: a draft tree (the configured one, or a smaller one), with lookup chains grafted when lookup is on.
-Which pays depends on the machine (what a verify of n tokens costs against one step), the dtype, the text (how much
-the draft and the lookup get accepted) and the position in it, so the choice is learned while decoding:
+Which pays depends on the machine, the dtype, the text and the position in it, so the choice is learned while
+decoding. The rule:
 
-    expected tokens of a tree:    1 + shape x draftability (+ the chain tokens, when a lookup chain is ready):
-                                  * shape: the tree's draft tokens per round at draftability 1, a property of the
-                                    tree and the draft. The configured tree's shape sets the scale and is learned
-                                    between calls (towards what its rounds added); a smaller tree's is learned from
-                                    its own rounds (their draft tokens over the draftability at the time, aged by
-                                    SHAPE_DISCOUNT per own round) and capped by the shape of every larger tree (same
-                                    draft, nearly a subset of the candidates). Before it is measured, a tree is
-                                    placed relative to the configured one by `prior_tokens`;
-                                  * draftability: the text's, measured by the configured tree's recent rounds only
-                                    (draft tokens added over what its shape expected, discounted by DISCOUNT per
-                                    round of any kind; prior 1 worth DRAFTABILITY_PRIOR_ROUNDS rounds of the largest
-                                    tree, so without recent rounds of it every tree is back at its shape);
-                                  * chain tokens: accepted tokens that only the grafted lookup chains proposed, a
-                                    discounted mean over tree rounds with a chain ready, shared by every tree (the
-                                    same chains hang from any tree).
-                                  One mean per tree (until RC-6) learned from a tree's own ~20 last rounds only: a
-                                  tree measured in a bad stretch kept that yield until tried again (Qwen2.5-Coder
-                                  bf16: the 8/2/8 tree was held at 1.29 tokens outside copy runs for three prompts
-                                  while it added 4-11 inside them). Letting every tree's rounds update the shared
-                                  draftability (RC-7) fitted a smaller tree running alone and the draftability to
-                                  each other, the small tree stuck at the large one's cap. Paired, teacher-forced
-                                  measurement on the target's own text (`benchmarks/paired_trees.py`, RC-7 in
-                                  docs/experiments/round-controller.md) puts the 2/1/4 tree's draft tokens at
-                                  0.52-0.79 of the 8/2/8 tree's on every prompt: below it, by a factor one shape
-                                  per tree can carry;
-    expected tokens of lookup:    a discounted mean of the tokens its past rounds added (bonus token included; every
-                                  round ages it by DISCOUNT), plus a prior worth PRIOR_ROUNDS rounds (the draft's mean
-                                  from earlier calls, else `prior_tokens`); a plain step adds exactly 1.
-    contexts:                     draftability, chain tokens and lookup's yield are kept apart for rounds that follow
-                                  a *copying* round (one whose new tokens continued the lookup chain ready at its
-                                  start, `lookup.continues`): there lookup yields far more than it does elsewhere
-                                  (2.9-9.0 against 1.1-2.8 tokens on the benchmark suites), so one mean for both
-                                  would average a copy run away;
-    cost of a choice:             a discounted mean of its measured round times (draft + verify + emit, wall clock;
-                                  aged only by its own rounds), plus the time cached for this target shape, dtype,
-                                  device, cache kind, batch size and threads (`$JAKIRO_CACHE/round_costs.json`,
-                                  written after every generate call) as a prior worth PRIOR_ROUNDS rounds;
-    choice:                       the largest (expected tokens + bonus) / cost, bonus = EXPLORATION / (1 + recent
-                                  weight)^2, the weight of that choice's own recent rounds; none for a plain step, whose
-                                  yield is known. Choices with no cost yet are tried first, in the order of
-                                  `choices_for`. A choice that lost is tried again once its yield has aged back towards
-                                  its prior: every few tens of rounds, at the cost of one round (about 3-5% in simulated
-                                  rounds, tests). And any choice not tried for STALE_ROUNDS rounds, a plain step
-                                  included, is tried once more and its new time replaces the old: a cost measured once
-                                  (a first round's warm-up, a moment the machine was busy) then cannot rule a choice out
-                                  for good. A choice still behind after such a re-measurement waits twice as long for
-                                  the next (up to MAX_STALE_ROUNDS; back to STALE_ROUNDS once it wins), so that choices
-                                  that keep losing (trees in float32 on a small CPU, at temperature 1) stop costing a
-                                  round every STALE_ROUNDS.
+    expected tokens of a tree:    1 + shape x draftability (+ the chain tokens, when a lookup chain is ready).
+                                  shape: the tree's draft tokens per round at draftability 1; the configured tree's
+                                  is learned between calls, a smaller tree's from its own rounds (aged by
+                                  SHAPE_DISCOUNT) and capped by every larger tree's; before it is measured, a tree is
+                                  placed by `prior_tokens`. draftability: the text's, measured by the configured
+                                  tree's recent rounds only (discounted by DISCOUNT per round of any kind, prior 1
+                                  worth DRAFTABILITY_PRIOR_ROUNDS rounds). chain tokens: accepted tokens only the
+                                  grafted chains proposed, a discounted mean shared by every tree;
+    expected tokens of lookup:    a discounted mean of its past rounds' tokens plus a prior worth PRIOR_ROUNDS rounds
+                                  (the draft's mean from earlier calls, else `prior_tokens`); a plain step adds 1;
+    contexts:                     draftability, chain tokens and lookup's yield are kept apart after a *copying* round
+                                  (one whose tokens continued the chain ready at its start, `lookup.continues`);
+    cost of a choice:             a discounted mean of its measured round times (aged by its own rounds only), with
+                                  the time cached for this target shape, dtype, device, cache kind, batch size and
+                                  threads (`$JAKIRO_CACHE/round_costs.json`, finite positive entries only) as a prior
+                                  worth PRIOR_ROUNDS rounds;
+    choice:                       the largest (expected tokens + bonus) / cost, bonus = EXPLORATION / (1 + the
+                                  choice's recent weight)^2 (none for a plain step). Choices without a cost are tried
+                                  first, in the order of `choices_for`; a choice not tried for STALE_ROUNDS rounds is
+                                  tried once more and its new time replaces the old; one still behind then waits
+                                  twice as long (up to MAX_STALE_ROUNDS).
 
-Yields, waits and the rounds since each choice was last tried are remembered on the draft from one generate call
-to the next, apart for greedy decoding and sampling (a tree accepts far less at temperature 1), and serve as the
-next call's priors: with calls of 20 rounds, a count that restarted with every call would never reach STALE_ROUNDS.
-A round's time leaves out the draft's catch-up read of positions that earlier rounds without a draft forward (or the
-prompt) left unread (`JakiroCandidateGenerator.catch_up_s`): that read is what those rounds deferred, and charged to
-the first tree round of every call it priced trees too high (Qwen2.5-Coder bf16, 2 threads: the cost cache held
-0.40 s for the 8/2/8 tree; with the read left out and a fresh cache it learned 0.26 s). It is added to the cost of
-the last plain or lookup-only round before it instead (the prompt's read, which every call pays, to none).
+Yields, waits and the rounds since each choice was tried are remembered on the draft between generate calls, apart
+for greedy decoding and sampling. A round's time leaves out the draft's catch-up read of positions that earlier rounds
+without a draft forward left unread (`catch_up_s`); it is charged to the last such round's choice instead.
 
 Exactness does not depend on the choice: every round is verified by the same rule, and the choice reads only past
 rounds (their tokens and times), never the round's own random draws, so sampling keeps the target's distribution.
-Everything here is pure bookkeeping on the host: no tensor, no device sync.
+Everything here is host bookkeeping: no tensor, no device sync. Why the rule has this shape (what each earlier version
+got wrong, with numbers): docs/experiments/round-controller.md, runs RC-1 to RC-8.
 """
 
 import contextlib
