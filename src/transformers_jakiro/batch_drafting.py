@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicCache
 
 from .adaptive import RoundChoice
 from .drafting import TreeSettings, draft_log_probs
-from .kv_cache import select_positions, select_rows, truncate
+from .kv_cache import drop_hole_columns, select_rows, truncate
 from .lookup import NgramIndex, continues
 from .modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree, flatten_tree, graft_chains
@@ -128,18 +128,10 @@ class BatchDrafter:
         device = self.key_mask.device
         index = torch.tensor(rows, dtype=torch.long, device=device) if index is None else index.to(device)
         select_rows(self.cache, index)
-        self.key_mask = self.key_mask[index]
+        self.key_mask = drop_hole_columns(self.cache, self.key_mask[index])  # and columns that are holes in every row
         for name in ("present", "queued", "lookup", "lookup_length", "copied"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in rows])
-        self._drop_holes()
-
-    def _drop_holes(self) -> None:
-        """Remove cache columns that are holes in every row (left after the rows that needed them finished)."""
-        columns = torch.nonzero(self.key_mask.any(dim=0)).flatten()  # one read: which columns stay
-        if columns.numel() < self.key_mask.shape[1]:
-            select_positions(self.cache, columns)
-            self.key_mask = self.key_mask[:, columns]
 
     def _mask(self, visible_new: torch.BoolTensor) -> torch.BoolTensor:
         """[rows, 1, q, cached + new] bool: each query sees its row's present cached entries and `visible_new`

@@ -36,7 +36,7 @@ from .adaptive import RoundChoice
 from .batch_drafting import BatchDrafter
 from .drafting import TreeSettings
 from .features import TargetFeatures
-from .kv_cache import is_static, keep_accepted_rows, select_positions, select_rows, truncate
+from .kv_cache import drop_hole_columns, is_static, keep_accepted_rows, select_rows, truncate
 from .logits import process_tree_logits, processors_for_row
 from .modeling_jakiro import JakiroDraftModel
 from .rope import deepest_level, refuse_batch_across, rope_limits
@@ -139,11 +139,8 @@ class BatchVerifier:
         that are then holes in every row go too (one read: which columns those are)."""
         index = torch.tensor(rows, device=self.key_mask.device) if index is None else index.to(self.key_mask.device)
         select_rows(self.cache, index)
-        self.key_mask, self.present = self.key_mask[index], self.present[index]
-        columns = torch.nonzero(self.key_mask.any(dim=0)).flatten()
-        if columns.numel() < self.key_mask.shape[1]:
-            select_positions(self.cache, columns)
-            self.key_mask = self.key_mask[:, columns]
+        self.key_mask = drop_hole_columns(self.cache, self.key_mask[index])
+        self.present = self.present[index]
 
     def verify(self, trees: list[DraftTree], sequences, processors, do_sample: bool, stopping_criteria=None) -> BatchVerdict:
         """One forward over every row's tree (padded to one size), each row's acceptance by the one-row rule with its

@@ -223,6 +223,11 @@ def verify_tree(
     if tree.from_lookup is not None:  # how many accepted nodes only the n-gram lookup proposed
         fetch.append((tree.from_lookup[padded_path.clamp(min=0)] & (padded_path >= 0)).sum()[None])
     width = padded_path.numel()
+    # Lazy-leaf path: `processed` holds internal nodes' rows only; each internal node's row there (-1 for leaves)
+    row = None
+    if internal is not None:
+        row = torch.full_like(tree.tokens, -1).index_copy_(
+            0, internal, torch.arange(internal.numel(), device=internal.device))
     if verdicts is not None:
         # The round's tokens padded to the path's width: token i is the draft token of path node i + 1, or the bonus
         # at i = m - 1 (m: the path's length); their scores are the processed logits of path node i.
@@ -230,10 +235,8 @@ def verify_tree(
         index = torch.arange(width, device=padded_path.device)
         round_tokens = torch.where(index == length - 1, bonus, torch.cat([padded_tokens[1:], bonus[None]]))
         rows = padded_path.clamp(min=0)
-        if internal is not None:  # processed holds internal nodes' rows: a leaf's position stands in (ignored)
-            lookup_row = torch.full_like(tree.tokens, 0).index_copy_(
-                0, internal, torch.arange(internal.numel(), device=internal.device))
-            rows = lookup_row[rows]
+        if row is not None:  # a leaf's row stands in as row 0 (its verdict is the leaf's, below, or ignored)
+            rows = row[rows].clamp(min=0)
         round_scores = processed[rows]
         if leaf:  # the path ends at a leaf: the bonus token's scores are the leaf's
             round_scores = torch.where((index == length - 1)[:, None], leaf["processed"], round_scores)
@@ -254,8 +257,6 @@ def verify_tree(
             path, bonus, tokens, token_ids, processed[path], raw[path], features[path], lookup_accepted, stops
         )
 
-    row = torch.full_like(tree.tokens, -1)
-    row[internal] = torch.arange(internal.numel(), device=internal.device)
     if leaf:  # every node of the path but the last is internal
         rows = row[path[:-1]]
         processed, raw = torch.cat([processed[rows], leaf["processed"]]), torch.cat([raw[rows], leaf["raw"]])

@@ -127,6 +127,17 @@ def select_positions(cache, positions: torch.LongTensor) -> None:
         layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
 
 
+def drop_hole_columns(cache, key_mask: torch.BoolTensor) -> torch.BoolTensor:
+    """Remove the cache positions that are holes in every row of a batch (`key_mask` [rows, cached]: present
+    entries), as left after the rows that needed them finished; returns the key mask of what is kept. One host read:
+    which columns stay."""
+    columns = torch.nonzero(key_mask.any(dim=0)).flatten()
+    if columns.numel() == key_mask.shape[1]:
+        return key_mask
+    select_positions(cache, columns)
+    return key_mask[:, columns]
+
+
 def _set_static_length(cache: StaticCache, length: int) -> None:
     # In place: `cumulative_length` has a static address that a compiled forward reads (and advances) every round.
     # StaticLayer.crop does the same, but 5.17 has no crop on static layers.
@@ -147,6 +158,7 @@ def truncate(cache, length: int) -> None:
 
 __all__ = [
     "check_cache_supported",
+    "drop_hole_columns",
     "is_static",
     "keep_accepted",
     "keep_accepted_rows",
