@@ -16,8 +16,9 @@ Per-round numbers are differences between two generations (N and 1 new tokens), 
     python benchmarks/round_cost.py --target smollm2-135m-instruct --draft heads/jakiro-smollm2-135m-instruct
     python benchmarks/round_cost.py --compiled                           # static cache, inductor on the CPU
 
-With `--compiled` the times are compiled ones and the counts come from the same decode run eagerly (a dispatch mode
-and forward hooks would make compiled code recompile). The tree is pinned (`adaptive=False`) and greedy; `--lookup N` grafts lookup chains too. Counted is the accelerator's
+With `--compiled` the times are compiled ones; the counts come from a run in which every function that decoding
+compiles runs as one opaque call outside the dispatch mode (compiled code under a dispatch mode or hooks would
+recompile): its eager ops are the ones outside the graphs, and each such call is one graph call. The tree is pinned (`adaptive=False`) and greedy; `--lookup N` grafts lookup chains too. Counted is the accelerator's
 path (the target's forward returns every node's logits); `--cpu-leaf-logits` keeps the CPU's lazy leaf logits.
 """
 
@@ -107,6 +108,34 @@ def counting_calls(*modules):
             handle.remove()
 
 
+@contextlib.contextmanager
+def opaque_graphs(graph_calls: list, target):
+    """Counting a compiled run: the functions that decoding compiles (the target's verify forward, `draft_round`,
+    `draft_step`) run eagerly as opaque calls, outside the dispatch mode, each adding one to `graph_calls[0]`; the
+    ops counted are then the ones a compiled run dispatches outside its graphs. (Compiled code itself cannot run
+    under a dispatch mode or hooks without recompiling.)"""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from transformers_jakiro import decoding, drafting
+
+    def opaque(fn):
+        def call(*args, **kwargs):
+            graph_calls[0] += 1
+            with _disable_current_modes():
+                return fn(*args, **kwargs)
+        return call
+
+    saved = getattr(decoding, "compiled_draft_round", None), decoding.compiled_draft_step
+    target.get_compiled_call = lambda config: opaque(target.__call__)  # generate's own steps and Jakiro's verify
+    decoding.compiled_draft_round = lambda config: opaque(drafting.draft_round)
+    decoding.compiled_draft_step = lambda config: opaque(drafting.draft_step)
+    try:
+        yield
+    finally:
+        decoding.compiled_draft_round, decoding.compiled_draft_step = saved
+        del target.get_compiled_call
+
+
 def _tiny_target(layers: int, dtype):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -185,11 +214,14 @@ def measure(target, draft, prompt, args, jakiro: bool) -> dict:
         long_s, long_rounds, _, _ = run(args.new_tokens, False)
         short_s, short_rounds, _, _ = run(1, False)
         times.append((long_s - short_s) / max(long_rounds - short_rounds, 1))
-    if args.compiled:  # counted eagerly: inside a dispatch mode and with hooks, compiled code would recompile
-        kwargs = {key: value for key, value in kwargs.items() if key != "compile_config"}
-        kwargs["disable_compile"] = True
-    _, long_rounds, long_count, long_calls = run(args.new_tokens, True)
-    _, short_rounds, short_count, short_calls = run(1, True)
+    graph_calls = [0]
+    with contextlib.ExitStack() as stack:
+        if args.compiled:  # counted with each compiled function run as one opaque call (see `opaque_graphs`)
+            stack.enter_context(opaque_graphs(graph_calls, target))
+        _, long_rounds, long_count, long_calls = run(args.new_tokens, True)
+        long_graphs = graph_calls[0]
+        _, short_rounds, short_count, short_calls = run(1, True)
+        short_graphs = graph_calls[0] - long_graphs
     rounds = max(long_rounds - short_rounds, 1)
     syncs = {kind: (long_count.syncs[kind] - short_count.syncs[kind]) / rounds for kind in long_count.syncs}
     new_tokens = (args.new_tokens - 1) / rounds
@@ -200,6 +232,7 @@ def measure(target, draft, prompt, args, jakiro: bool) -> dict:
         ops=(long_count.ops - short_count.ops) / rounds,
         target_calls=(long_calls[0] - short_calls[0]) / rounds,
         draft_calls=(long_calls[1] - short_calls[1]) / rounds,
+        graph_calls=(long_graphs - short_graphs) / rounds if args.compiled else None,
         tokens=new_tokens,
     )
 
@@ -237,11 +270,13 @@ def main(argv=None):
     print(f"## Round cost: {label}, {args.dtype}, tree {'/'.join(map(str, args.tree))}"
           f"{f' + lookup {args.lookup}' if args.lookup else ''}, {'compiled, static cache' if args.compiled else 'eager'}"
           f", {args.threads} thread(s), torch {torch.__version__}\n")
-    print("| per | host syncs | eager ops | target calls | draft calls | ms | new tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    ops = "eager ops outside graphs | graph calls" if args.compiled else "eager ops"
+    print(f"| per | host syncs | {ops} | target calls | draft calls | ms | new tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.compiled else ""))
     for name, row in (("plain step", step), ("Jakiro round", round_)):
-        print(f"| {name} | {row['syncs']:.1f} | {row['ops']:.0f} | {row['target_calls']:.1f} | {row['draft_calls']:.1f}"
-              f" | {1000 * row['seconds']:.2f} | {row['tokens']:.2f} |")
+        graphs = f" | {row['graph_calls']:.1f}" if args.compiled else ""
+        print(f"| {name} | {row['syncs']:.1f} | {row['ops']:.0f}{graphs} | {row['target_calls']:.1f}"
+              f" | {row['draft_calls']:.1f} | {1000 * row['seconds']:.2f} | {row['tokens']:.2f} |")
     print(f"\nround / step: {round_['seconds'] / step['seconds']:.2f}x time, {round_['ops'] / step['ops']:.1f}x ops")
     print("host syncs per round by kind:", ", ".join(f"{k}: {v:.1f}" for k, v in round_["sync_kinds"].items()))
     return step, round_

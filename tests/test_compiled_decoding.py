@@ -1,7 +1,8 @@
 """Compiled Jakiro decoding on CPU (inductor): `generate(..., assistant_model=draft, cache_implementation="static",
 compile_config=...)` runs every verification round through the target's forward compiled by transformers
-(`get_compiled_call`) and every draft level through the compiled draft step: two graphs for every round and every
-prompt, with greedy output token-identical to plain generate and to eager Jakiro.
+(`get_compiled_call`) and every draft round (the read, the levels, ranking and flattening) through the compiled
+`draft_round`: two graphs, two graph calls per round, for every round and every prompt, with greedy output
+token-identical to plain generate and to eager Jakiro.
 
 Compiling is expensive on 2 CPU cores (tens of seconds per model), so each architecture's target is compiled once,
 in a module-scoped fixture, and every check runs against it."""
@@ -31,7 +32,7 @@ def compile_config() -> CompileConfig:
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama-fused"])
 def compiled(request):
     """(target, draft, config) after one warm-up generate that compiled the target's verify forward and the draft
-    step. `llama-fused`: a head that reads two more target layers (hooks inside the compiled forward; the draft step
+    round. `llama-fused`: a head that reads two more target layers (hooks inside the compiled forward; the draft round
     still one graph)."""
     torch._dynamo.reset()
     fused = request.param.endswith("-fused")
@@ -44,8 +45,8 @@ def compiled(request):
             torch.tensor([[5, 9, 33, 5, 9]]), do_sample=False, max_new_tokens=8, assistant_model=draft,
             cache_implementation="static", compile_config=config, max_cache_len=MAX_CACHE_LEN,
         )
-    # the verify forward and the draft step, each compiled once, without graph breaks
-    assert counters["stats"]["unique_graphs"] == graphs + 2
+    # the verify forward and the draft round, each compiled once, without graph breaks
+    assert counters["stats"]["unique_graphs"] == graphs + 2, counters["stats"]["unique_graphs"] - graphs
     yield target, draft, config
     torch._dynamo.reset()
 
@@ -55,12 +56,12 @@ def test_compiled_greedy_identical_and_never_recompiled(compiled, monkeypatch):
     # Count the rounds that went through the compiled forward (every round but the eager prefill).
     compiled_call, calls = target._compiled_call, []
     monkeypatch.setattr(target, "_compiled_call", lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs))
-    steps = []
-    for key, step in list(drafting._COMPILED_STEPS.items()):
-        monkeypatch.setitem(drafting._COMPILED_STEPS, key, lambda *a, _step=step, **k: steps.append(1) or _step(*a, **k))
+    draft_calls = []
+    for key, fn in list(drafting._COMPILED_ROUNDS.items()):
+        monkeypatch.setitem(drafting._COMPILED_ROUNDS, key, lambda *a, _fn=fn, **k: draft_calls.append(1) or _fn(*a, **k))
     graphs = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(11)
-    rounds, accepted = 0, set()
+    rounds, tree_rounds, accepted = 0, 0, set()
     for i in range(4):
         prompt = random_prompt(g, 3, 20)
         max_new = int(torch.randint(8, 30, (1,), generator=g))
@@ -77,12 +78,14 @@ def test_compiled_greedy_identical_and_never_recompiled(compiled, monkeypatch):
                 )
         stats = draft.last_generation_stats
         rounds += stats.draft_rounds
+        tree_rounds += sum(choice.startswith("tree") for choice in stats.choices)
         accepted.update(stats.accepted_lengths[1:])
         assert torch.equal(eager_static, expected), f"prompt {i}"
         assert torch.equal(got, expected), f"prompt {i}"
     assert counters["stats"]["unique_graphs"] == graphs  # prompts of other lengths, rounds of other acceptances
     assert len(calls) == rounds > 0
-    assert len(steps) >= rounds  # at least one compiled draft step per drafting round (lookup-only rounds have none)
+    # one compiled draft call per round with a draft tree (lookup-only and plain rounds have none)
+    assert len(draft_calls) == tree_rounds > 0
     assert len(accepted) >= 2 and max(accepted) >= 2  # rounds really differed in what they kept
 
 
@@ -92,8 +95,9 @@ def test_compile_follows_transformers_criteria(compiled, monkeypatch):
     target, draft, config = compiled
     compiled_call, calls = target._compiled_call, []
     monkeypatch.setattr(target, "_compiled_call", lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs))
-    for key, step in list(drafting._COMPILED_STEPS.items()):
-        monkeypatch.setitem(drafting._COMPILED_STEPS, key, lambda *a, _step=step, **k: calls.append(2) or _step(*a, **k))
+    for table in (drafting._COMPILED_STEPS, drafting._COMPILED_ROUNDS):
+        for key, fn in list(table.items()):
+            monkeypatch.setitem(table, key, lambda *a, _fn=fn, **k: calls.append(2) or _fn(*a, **k))
     prompt = torch.tensor([[7, 8, 9, 10]])
     with tree_settings(draft, **TREE):
         target.generate(prompt, do_sample=False, max_new_tokens=6, assistant_model=draft, cache_implementation="static")

@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from . import adaptive, verification
 from .adaptive import RoundChoice
 from .batching import batch_decode
-from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
+from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_round, compiled_draft_step
 from .features import TargetFeatures
 from .kv_cache import is_static, keep_accepted, static_length, truncate
 from .logits import process_tree_logits
@@ -63,15 +63,18 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
 
 def _candidate_generator(target, draft, settings, cache, fixed_shape: bool, compiled: bool, generation_config):
     """The draft side follows the target's: with a static cache and fixed shapes the draft gets a static cache too
-    (long enough for the target's positions plus a tree's levels and one read chunk), and when the target's verify
-    forward is compiled so is the draft's fixed-shape step, with the same `CompileConfig`."""
+    (long enough for the target's positions plus a tree's levels and one read), and when the target's verify forward
+    is compiled so is the draft's round (`compiled_draft_round`) and fixed-shape step, with the same `CompileConfig`."""
     if not (is_static(cache) and fixed_shape):
         return JakiroCandidateGenerator(draft, settings)
-    length = static_length(cache) + settings.top_k * (settings.depth + 1)
-    step = None
+    # the target's positions, then a tree's levels or one read (`draft_round`'s, or a chunk of top_k rows)
+    widest_read = max(settings.top_k, int(settings.depth) + 2, int(settings.lookup_tokens) + 1)
+    length = static_length(cache) + settings.top_k * settings.depth + widest_read
+    step = round_fn = None
     if compiled:
-        step = compiled_draft_step(generation_config.compile_config or target._default_compile_config())
-    return JakiroCandidateGenerator(draft, settings, static_length=length, step=step)
+        config = generation_config.compile_config or target._default_compile_config()
+        step, round_fn = compiled_draft_step(config), compiled_draft_round(config)
+    return JakiroCandidateGenerator(draft, settings, static_length=length, step=step, round_fn=round_fn)
 
 
 def _prefill(target, sequence, mask, cache, cache_arg: str, feature_layers):

@@ -16,7 +16,7 @@ from .adaptive import RoundChoice
 from .kv_cache import new_draft_cache, truncate
 from .lookup import NgramIndex, continues
 from .modeling_jakiro import JakiroDraftModel
-from .tree import DraftTree, TreeRecorder, graft_chains
+from .tree import DraftTree, TreeRecorder, flattened_tensors, graft_chains
 
 
 @dataclass
@@ -103,12 +103,113 @@ def draft_step(draft: JakiroDraftModel, cache, tokens, features, positions, mask
     return left, right, top.values, draft.draft_to_target_ids(top.indices)
 
 
+def expand_tree(root, left, right, log_probs, tokens, level, top, depth: int, k: int) -> TreeRecorder:
+    """EAGLE-2 expansion from the root's draft outputs (`left`/`right` [1, hidden], its top-k `log_probs`/`tokens`
+    [1, k]): `depth` levels of `k` kept nodes with `k` children each, then the contrastive level from the last
+    forward's `right` outputs (None: no contrastive level). `top(features)`: the draft's top-k. `level(tokens,
+    parent_features, level, visible)` runs one draft forward over the k kept nodes (their parents' predicted features;
+    `visible` [k, tree entries]: each node's ancestors and itself among the tree's cached entries, this forward's
+    included) and returns (left, right, top-k log-probs, top-k ids). Returns the recorded candidates."""
+    recorder = TreeRecorder(root)
+    device = left.device
+    kept_scores, kept_tokens = log_probs[0], tokens[0]
+    kept_index = recorder.add_level(kept_tokens, torch.zeros_like(kept_tokens), kept_scores, depth=1)
+    kept_rows = torch.zeros_like(kept_tokens)  # row of each kept node's parent in the last forward
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    visible = eye  # kept nodes x tree KV entries: own ancestors
+    for depth_now in range(2, depth + 1):
+        # a node reads its parent's predicted feature; log_probs, tokens: [k, k]
+        left, right, log_probs, tokens = level(kept_tokens, left[kept_rows], depth_now, visible)
+        scores = kept_scores[:, None] + log_probs
+        index = recorder.add_level(tokens, kept_index[:, None].expand(k, k), scores, depth=depth_now)
+        best = scores.flatten().topk(k).indices
+        kept_rows = best // k
+        kept_index, kept_tokens, kept_scores = index.flatten()[best], tokens.flatten()[best], scores.flatten()[best]
+        visible = torch.cat([visible[kept_rows], eye], dim=1)
+    if right is not None:
+        # The right head of node r predicts the token two ahead of r, i.e. a grandchild of r. Hang it under each
+        # kept child c of r (score(c) + its log-prob): every grandchild sits below its own parent. (The
+        # reference code attaches node r's predictions to the r-th kept child instead.)
+        log_probs, tokens = top(right)
+        recorder.add_level(
+            tokens[kept_rows], kept_index[:, None].expand(k, k), kept_scores[:, None] + log_probs[kept_rows],
+            depth=depth + 1,
+        )
+    return recorder
+
+
 def draft_log_probs(draft: JakiroDraftModel, features: torch.Tensor) -> torch.Tensor:
     """The draft's next-token log-probabilities (float32) for each feature row, NaN as -inf: a head that overflows
     (NaN or infinite logits give NaN log-probabilities) then proposes its candidates last, never first (topk ranks NaN
     above every number). What the target accepts does not depend on this; the tree's size and shape do."""
     log_probs = F.log_softmax(draft.compute_logits(features).float(), dim=-1)
     return log_probs.masked_fill(torch.isnan(log_probs), float("-inf"))
+
+
+def draft_round(draft: JakiroDraftModel, cache, tokens, features, count, root, depth: int, top_k: int,
+                total_tokens: int, contrastive: bool):
+    """A whole draft round over the draft's static cache, as one fixed-shape function (compiled whole, one graph
+    call per round): read the newly accepted positions, expand `depth` levels of `top_k` nodes and the contrastive
+    level, rank and flatten to the best `total_tokens` candidates.
+
+    tokens [W], features [W, width]: the accepted positions to read (the token after each position, the target's
+    features there), padded to a fixed width W; `count` [] (a device value, 1..W): how many are real; `root` []: the
+    last accepted token. Every length is a device value: the cache's `cumulative_length` (where each forward writes)
+    and `stable` (the cached length after the read), so nothing is read on the host and nothing changes shape from
+    round to round. Padding rows write after the real ones and are dropped; the tree's levels write after the read
+    and are dropped at the end, as in the eager drafter. Returns the flattened tree's tokens, parents, depths,
+    ancestors and scores (`tree.flattened_tensors`)."""
+    layer = cache.layers[0]
+    device = tokens.device
+    columns = torch.arange(layer.max_cache_len, device=device)
+    past = layer.cumulative_length.clone()
+    read = past + torch.arange(tokens.shape[0], device=device)
+    out = draft(
+        input_ids=tokens[None], hidden_states=features[None], position_ids=read[None],
+        attention_mask=(columns[None, :] <= read[:, None])[None, None], cache=cache,
+    )
+    stable = past + count  # the root was read at position stable - 1
+    layer.cumulative_length.copy_(stable)  # the first level writes over the padding rows' entries
+    last = (count - 1).reshape(1)
+    left = out.last_hidden_state[0].index_select(0, last)
+    right = out.contrastive_hidden_state[0].index_select(0, last) if contrastive else None
+
+    def top(rows):
+        best = draft_log_probs(draft, rows).topk(top_k, dim=-1)
+        return best.values, draft.draft_to_target_ids(best.indices)
+
+    def level(kept_tokens, parent_features, depth_now, visible):
+        # Each node sees the cached prefix [0, stable) and, among the tree's entries [stable, stable + tree), its
+        # ancestors and itself (`visible`, one column per tree entry, gathered at each cache column).
+        tree = visible.shape[1]
+        offset = columns - stable
+        in_tree = (offset >= 0) & (offset < tree)
+        seen = visible.gather(1, offset.clamp(0, tree - 1)[None].expand(top_k, -1)) & in_tree
+        mask = (columns < stable)[None] | seen
+        positions = (stable - 2 + depth_now).expand(top_k)
+        out = draft(
+            input_ids=kept_tokens[None], hidden_states=parent_features[None], position_ids=positions[None],
+            attention_mask=mask[None, None], cache=cache,
+        )
+        right = out.contrastive_hidden_state[0] if contrastive else None
+        return (out.last_hidden_state[0], right, *top(out.last_hidden_state[0]))
+
+    recorder = expand_tree(root, left, right, *top(left), level, top, depth, top_k)
+    layer.cumulative_length.copy_(stable)  # the tree's entries are dropped
+    return flattened_tensors(*recorder.recorded(), total_tokens, depth + int(contrastive))
+
+
+_COMPILED_ROUNDS = {}
+
+
+def compiled_draft_round(compile_config):
+    """`draft_round` under torch.compile with the target's `CompileConfig`, always whole (`fullgraph=True`) and with
+    fixed shapes (`dynamic=False`): one graph per tree size, none recompiled from round to round."""
+    options = {**compile_config.to_dict(), "fullgraph": True, "dynamic": False}
+    key = repr(sorted(options.items()))
+    if key not in _COMPILED_ROUNDS:
+        _COMPILED_ROUNDS[key] = torch.compile(draft_round, **options)
+    return _COMPILED_ROUNDS[key]
 
 
 _COMPILED_STEPS = {}
@@ -141,11 +242,16 @@ class JakiroCandidateGenerator:
     With `static_length` the draft's cache is a static one of that many positions, and after the prompt every draft
     forward has one shape, `top_k` rows (`draft_step`): each tree level, and the newly accepted positions read in
     chunks of `top_k` rows (the last chunk padded; its padding rows write after the real ones and are overwritten).
-    Masks span the static length; the cached length is kept on the host. `step` (e.g. `compiled_draft_step(...)`)
-    runs those forwards; `draft_step` itself by default.
+    Masks span the static length; the cached length is kept on the host. After the prompt, a tree round is one call
+    of `round_fn` (`draft_round`, or `compiled_draft_round(...)`): the read and every level in one fixed-shape
+    function. `step` (e.g. `compiled_draft_step(...)`) runs the prompt's fixed-shape chunks and catch-up reads;
+    `draft_step` itself by default.
     """
 
-    def __init__(self, draft: JakiroDraftModel, settings: TreeSettings, static_length: int | None = None, step=None):
+    def __init__(
+        self, draft: JakiroDraftModel, settings: TreeSettings, static_length: int | None = None, step=None,
+        round_fn=None,
+    ):
         self.draft = draft
         self.settings = settings
         self.static = static_length is not None
@@ -153,6 +259,10 @@ class JakiroCandidateGenerator:
         self.static_length = static_length
         self._length = 0  # cached positions, for the static cache (which reports its length as a device tensor)
         self._step = draft_step if step is None else step
+        self._round = draft_round if round_fn is None else round_fn
+        # The widest read a tree round makes: the most positions one round accepts (its deepest level or longest
+        # lookup chain, plus the bonus token); wider catch-up reads (after rounds without a draft forward) are chunked
+        self.read_width = max(int(settings.depth) + int(settings.contrastive), int(settings.lookup_tokens)) + 1
         self._pending: list[torch.Tensor] = []  # see `pending_features`
         # Seconds of this round's draft read spent on rows that rounds without a draft forward (or the prompt) left:
         # a cost of those earlier rounds, which the round controller does not charge to this round's choice.
@@ -258,18 +368,11 @@ class JakiroCandidateGenerator:
         return left[last], right[last] if contrastive else None, log_probs[last], ids[last]
 
     def _level(self, tokens, parent_features, position: int, stable: int, visible: torch.BoolTensor, k: int):
-        """One tree level: k nodes at `position`, seeing the cached prefix [0, stable) and, among the tree's cached
-        entries, `visible` (their own ancestors and themselves). Returns (left, right, top-k log-probs, top-k ids)."""
+        """One tree level (the dynamic cache's; `draft_round` has the static one's): k nodes at `position`, seeing the
+        cached prefix [0, stable) and, among the tree's cached entries, `visible` (their own ancestors and
+        themselves). Returns (left, right, top-k log-probs, top-k ids)."""
         device = tokens.device
         positions = torch.full((k,), position, device=device)
-        if self.static:
-            # The cached prefix [0, stable), then `visible` over the tree's entries, then nothing: built from
-            # comparisons and a concatenation (a Python scalar written into a tensor is a host-to-device copy).
-            columns = torch.arange(self.static_length - visible.shape[1], device=device)
-            prefix = (columns < stable)[None].expand(k, -1)
-            full = torch.cat([prefix[:, :stable], visible, prefix[:, stable:]], dim=1)
-            left, right, log_probs, ids = self._run_static(tokens, parent_features, positions, full)
-            return left, right, log_probs, ids
         mask = torch.cat([torch.ones(k, stable, dtype=torch.bool, device=device), visible], dim=1)
         out = self.draft(
             input_ids=tokens[None], hidden_states=parent_features[None], position_ids=positions[None],
@@ -331,49 +434,52 @@ class JakiroCandidateGenerator:
         """The draft reads the accepted positions it has not read yet, then expands a tree EAGLE-2 style: `depth`
         levels of `k` kept nodes with `k` children each (and the contrastive level), flattened to the best
         `total_tokens` candidates."""
-        draft, settings = self.draft, self.settings
-        device = draft.fc.weight.device
+        settings = self.settings
         past = self.cached_length()
         # The rows the last round accepted; the rest were left unread by earlier rounds (the first read: the prompt)
         newest = self._pending[-1].shape[0] if past > 0 else 1
         features = self.pending_features
         next_tokens = input_ids[0, past + 1 : past + 1 + features.shape[0]]
         # left: [rows, hidden], rows of the last draft forward (the root: 1 row)
+        if self.static:
+            return self._static_round(input_ids[0, -1], next_tokens, features, past, total_tokens, depth, k)
         tic = time.perf_counter()
         left, right, log_probs, tokens = self._read(next_tokens, features, past, k)
         self.catch_up_s = (time.perf_counter() - tic) * (1.0 - newest / features.shape[0])
         stable = past + features.shape[0]  # the root token was read at draft position stable - 1
 
-        recorder = TreeRecorder(input_ids[0, -1])
-        kept_scores, kept_tokens = log_probs[0], tokens[0]
-        kept_index = recorder.add_level(kept_tokens, torch.zeros_like(kept_tokens), kept_scores, depth=1)
-        kept_rows = torch.zeros_like(kept_tokens)  # row of each kept node's parent in the last forward
-        visible = torch.eye(k, dtype=torch.bool, device=device)  # kept nodes x tree KV entries: own ancestors
+        def level(kept_tokens, parent_features, level, visible):
+            left, right, log_probs, ids = self._level(kept_tokens, parent_features, stable - 2 + level, stable, visible, k)
+            return left, right if settings.contrastive else None, log_probs, ids
 
-        for level in range(2, depth + 1):
-            # a node reads its parent's predicted feature; log_probs, tokens: [k, k]
-            position = stable - 2 + level
-            left, right, log_probs, tokens = self._level(kept_tokens, left[kept_rows], position, stable, visible, k)
-            scores = kept_scores[:, None] + log_probs
-            index = recorder.add_level(tokens, kept_index[:, None].expand(k, k), scores, depth=level)
-            best = scores.flatten().topk(k).indices
-            kept_rows = best // k
-            kept_index, kept_tokens, kept_scores = index.flatten()[best], tokens.flatten()[best], scores.flatten()[best]
-            visible = torch.cat([visible[kept_rows], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+        def top(features):
+            return self._draft_level(features, k)
 
-        if settings.contrastive:
-            # The right head of node r predicts the token two ahead of r, i.e. a grandchild of r. Hang it under each
-            # kept child c of r (score(c) + its log-prob): every grandchild sits below its own parent. (The
-            # reference code attaches node r's predictions to the r-th kept child instead.)
-            log_probs, tokens = self._draft_level(right, k)
-            recorder.add_level(
-                tokens[kept_rows],
-                kept_index[:, None].expand(k, k),
-                kept_scores[:, None] + log_probs[kept_rows],
-                depth=depth + 1,
-            )
+        recorder = expand_tree(input_ids[0, -1], left, right, log_probs, tokens, level, top, depth, k)
         self.rewind(stable)
         return recorder.flatten(total_tokens)
+
+    def _static_round(self, root, next_tokens, features, past: int, total_tokens: int, depth: int, k: int) -> DraftTree:
+        """A tree round over the static cache: `draft_round`, one fixed-shape call. The prompt (but its last position)
+        and positions that rounds without a draft forward left unread beyond its read width are read first (`_read`:
+        the prompt eagerly, catch-up reads in fixed-shape chunks)."""
+        width = self.read_width
+        extra = features.shape[0] - (1 if past == 0 else width)
+        tic = time.perf_counter()
+        if extra > 0:  # the prompt, but for its last position, in one eager forward; catch-up reads in chunks
+            self._read(next_tokens[:extra], features[:extra], past, k)
+            past, next_tokens, features = past + extra, next_tokens[extra:], features[extra:]
+        self.catch_up_s = time.perf_counter() - tic
+        rows = features.shape[0]
+        count = torch.full((), rows, dtype=torch.long, device=features.device)  # a fill: no host-to-device copy
+        tokens = F.pad(next_tokens, (0, width - rows))
+        features = F.pad(features.to(self.draft.fc.weight.dtype), (0, 0, 0, width - rows))
+        outputs = self._round(
+            self.draft, self.cache, tokens, features, count, root, depth, k, total_tokens, self.settings.contrastive
+        )
+        self._length = past + rows
+        # cloned: a compiled call with CUDA graphs hands out the same output buffers every round
+        return DraftTree(*(t.clone() for t in outputs), levels=depth + int(self.settings.contrastive))
 
 
 

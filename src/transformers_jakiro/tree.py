@@ -208,21 +208,19 @@ def flatten_tree(
     parent can be missing (a -1 parent below the root would make the acceptance rule index `choices[-1]`).
     """
     levels = int(depths.max()) if levels is None else levels
+    return DraftTree(*flattened_tensors(tokens, parents, scores, depths, total_tokens, levels), levels=levels)
+
+
+def flattened_tensors(tokens, parents, scores, depths, total_tokens: int, levels: int):
+    """`flatten_tree`'s work as tensors in, tensors out (tokens, parents, depths, ancestors, scores of the kept
+    nodes), for code compiled whole (`drafting.draft_round`): fixed shapes, no host reads."""
     scores = ranking_scores(scores, parents, levels)
     order = best_candidates(scores, total_tokens)
     nodes = torch.cat([order.new_zeros(1), torch.sort(order).values])  # recorded order is breadth-first
     position = torch.full_like(tokens, -1)
     position[nodes] = torch.arange(nodes.numel(), device=tokens.device)
     flat_parents = torch.cat([parents.new_full((1,), -1), position[parents[nodes[1:]]]])
-    flat_depths = depths[nodes]
-    return DraftTree(
-        tokens=tokens[nodes],
-        parents=flat_parents,
-        depths=flat_depths,
-        ancestors=ancestor_matrix(flat_parents, levels),
-        scores=scores[nodes],
-        levels=levels,
-    )
+    return tokens[nodes], flat_parents, depths[nodes], ancestor_matrix(flat_parents, levels), scores[nodes]
 
 
 def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
@@ -302,14 +300,11 @@ class TreeRecorder:
         return index
 
     def flatten(self, total_tokens: int) -> DraftTree:
-        return flatten_tree(
-            torch.cat(self.tokens),
-            torch.cat(self.parents),
-            torch.cat(self.scores),
-            torch.cat(self.depths),
-            total_tokens,
-            levels=self.num_levels,
-        )
+        return flatten_tree(*self.recorded(), total_tokens, levels=self.num_levels)
+
+    def recorded(self):
+        """tokens, parents, scores, depths of every recorded candidate, root first."""
+        return torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores), torch.cat(self.depths)
 
 
-__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "graft_chains", "ranking_scores"]
+__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "flattened_tensors", "graft_chains", "ranking_scores"]
