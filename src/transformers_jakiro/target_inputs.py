@@ -6,6 +6,7 @@ import inspect
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .kv_cache import check_cache_supported, is_static, new_target_cache, static_length
 from .logits import check_processors
@@ -137,8 +138,32 @@ def stop_verdicts(stopping_criteria, sequence: torch.LongTensor, start: int, pro
     ([1, length]) holds from `start` on. Plain decoding checks the stopping criteria after every token, and an EOS or
     a stop string may sit inside an accepted path, so every prefix is checked; `processed` holds the tokens'
     scores. The caller reads the verdicts on the host together with whatever else it needs (one sync)."""
+    verdicts = _all_at_once(stopping_criteria, sequence, start, count)
+    if verdicts is not None:
+        return verdicts
     verdicts = [stopping_criteria(sequence[:, : start + i + 1], processed[i : i + 1]).any() for i in range(count)]
     return torch.stack(verdicts)
+
+
+def _all_at_once(stopping_criteria, sequence: torch.LongTensor, start: int, count: int):
+    """`stop_verdicts` in a few ops for every token at once, when every criterion is a maximum length (a verdict that
+    depends on the length only) or an EOS token (on the token only); None for any other criterion (stop strings, time
+    limits, custom ones), which are asked prefix by prefix. A maximum length that the sequence could pass
+    `max_position_embeddings` with goes that way too, for the warning plain generate gives there."""
+    tokens = sequence[0, start : start + count]
+    verdicts = torch.zeros_like(tokens, dtype=torch.bool)
+    for criterion in stopping_criteria:
+        if type(criterion) is MaxLengthCriteria:
+            limit = criterion.max_position_embeddings
+            if limit is not None and start + count > limit:
+                return None
+            # the length after token i is start + i + 1: the verdict holds from token max_length - start - 1 on
+            verdicts = verdicts | (torch.arange(count, device=tokens.device) >= criterion.max_length - start - 1)
+        elif type(criterion) is EosTokenCriteria:
+            verdicts = verdicts | torch.isin(tokens, criterion.eos_token_id.to(tokens.device))
+        else:
+            return None
+    return verdicts
 
 
 def check_supported(target, draft, input_ids, processors, model_kwargs, generation_config) -> None:
