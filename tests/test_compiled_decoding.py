@@ -1,6 +1,6 @@
 """Compiled Jakiro decoding on CPU (inductor): `generate(..., assistant_model=draft, cache_implementation="static",
-compile_config=...)` runs every verification round through the target's forward compiled by transformers
-(`get_compiled_call`) and every draft round (the read, the levels, ranking and flattening) through the compiled
+compile_config=...)` runs every verification round (the target's forward, acceptance, cache compaction) through the
+compiled `verify_round` and every draft round (the read, the levels, ranking and flattening) through the compiled
 `draft_round`: two graphs, two graph calls per round, for every round and every prompt, with greedy output
 token-identical to plain generate and to eager Jakiro.
 
@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from tiny_models import make_target, quick_trained_draft, random_prompt
-from transformers_jakiro import drafting, tree_settings
+from transformers_jakiro import decoding, drafting, tree_settings
 
 pytestmark = pytest.mark.compile
 
@@ -31,8 +31,7 @@ def compile_config() -> CompileConfig:
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama-fused"])
 def compiled(request):
-    """(target, draft, config) after one warm-up generate that compiled the target's verify forward and the draft
-    round. `llama-fused`: a head that reads two more target layers (hooks inside the compiled forward; the draft round
+    """(target, draft, config) after one warm-up generate that compiled the verify round and the draft round. `llama-fused`: a head that reads two more target layers (hooks inside the compiled forward; the draft round
     still one graph)."""
     torch._dynamo.reset()
     fused = request.param.endswith("-fused")
@@ -45,7 +44,7 @@ def compiled(request):
             torch.tensor([[5, 9, 33, 5, 9]]), do_sample=False, max_new_tokens=8, assistant_model=draft,
             cache_implementation="static", compile_config=config, max_cache_len=MAX_CACHE_LEN,
         )
-    # the verify forward and the draft round, each compiled once, without graph breaks
+    # the verify round and the draft round, each compiled once, without graph breaks
     assert counters["stats"]["unique_graphs"] == graphs + 2, counters["stats"]["unique_graphs"] - graphs
     yield target, draft, config
     torch._dynamo.reset()
@@ -53,9 +52,10 @@ def compiled(request):
 
 def test_compiled_greedy_identical_and_never_recompiled(compiled, monkeypatch):
     target, draft, config = compiled
-    # Count the rounds that went through the compiled forward (every round but the eager prefill).
-    compiled_call, calls = target._compiled_call, []
-    monkeypatch.setattr(target, "_compiled_call", lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs))
+    # Count the rounds that went through the compiled verify round (every round but the eager prefill).
+    calls = []
+    for key, fn in list(decoding._COMPILED_VERIFY_ROUNDS.items()):
+        monkeypatch.setitem(decoding._COMPILED_VERIFY_ROUNDS, key, lambda *a, _fn=fn, **k: calls.append(1) or _fn(*a, **k))
     draft_calls = []
     for key, fn in list(drafting._COMPILED_ROUNDS.items()):
         monkeypatch.setitem(drafting._COMPILED_ROUNDS, key, lambda *a, _fn=fn, **k: draft_calls.append(1) or _fn(*a, **k))
@@ -95,7 +95,7 @@ def test_compile_follows_transformers_criteria(compiled, monkeypatch):
     target, draft, config = compiled
     compiled_call, calls = target._compiled_call, []
     monkeypatch.setattr(target, "_compiled_call", lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs))
-    for table in (drafting._COMPILED_STEPS, drafting._COMPILED_ROUNDS):
+    for table in (drafting._COMPILED_STEPS, drafting._COMPILED_ROUNDS, decoding._COMPILED_VERIFY_ROUNDS):
         for key, fn in list(table.items()):
             monkeypatch.setitem(table, key, lambda *a, _fn=fn, **k: calls.append(2) or _fn(*a, **k))
     prompt = torch.tensor([[7, 8, 9, 10]])

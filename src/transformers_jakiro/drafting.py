@@ -478,8 +478,9 @@ class JakiroCandidateGenerator:
             self.draft, self.cache, tokens, features, count, root, depth, k, total_tokens, self.settings.contrastive
         )
         self._length = past + rows
-        # cloned: a compiled call with CUDA graphs hands out the same output buffers every round
-        return DraftTree(*(t.clone() for t in outputs), levels=depth + int(self.settings.contrastive))
+        # Not cloned: a compiled call with CUDA graphs hands out the same output buffers every round, but the tree is
+        # used up (verified) before the next round's call.
+        return DraftTree(*outputs, levels=depth + int(self.settings.contrastive))
 
 
 
