@@ -110,8 +110,8 @@ def counting_calls(*modules):
 
 @contextlib.contextmanager
 def opaque_graphs(graph_calls: list, target):
-    """Counting a compiled run: the functions that decoding compiles (`draft_round`, `verify_round`, `draft_step`, the
-    target's forward) run eagerly as opaque calls, outside the dispatch mode, each adding one to `graph_calls[0]`; the
+    """Counting a compiled run: the functions that decoding compiles (`draft_round`, `verify_round`, the target's
+    forward) run eagerly as opaque calls, outside the dispatch mode, each adding one to `graph_calls[0]`; the
     ops counted are then the ones a compiled run dispatches outside its graphs. (Compiled code itself cannot run
     under a dispatch mode or hooks without recompiling.)"""
     from torch.utils._python_dispatch import _disable_current_modes
@@ -125,11 +125,10 @@ def opaque_graphs(graph_calls: list, target):
                 return fn(*args, **kwargs)
         return call
 
-    names = ("compiled_draft_round", "compiled_draft_step", "compiled_verify_round")
+    names = ("compiled_draft_round", "compiled_verify_round")
     saved = {name: getattr(decoding, name, None) for name in names}
     target.get_compiled_call = lambda config: opaque(target.__call__)  # generate's own steps, verify_tree's forward
     decoding.compiled_draft_round = lambda config: opaque(drafting.draft_round)
-    decoding.compiled_draft_step = lambda config: opaque(drafting.draft_step)
     decoding.compiled_verify_round = lambda config: opaque(decoding.verify_round)
     try:
         yield

@@ -749,7 +749,7 @@ def part_round_compiled(config, record):
     for nodes in sorted(settings, reverse=True):  # the default tree (60) first
         key = f"jakiro_compiled_{nodes}"
         result = record.attempt(key, counted, round_cost.measure_round_compiled, target, draft, settings[nodes],
-                                prompt, forward, compile_config, length, repeats, warmup)
+                                prompt, compile_config, length, repeats, warmup)
         if result and step:
             result["round_over_plain_compiled"] = round(result["jakiro_compiled_round_ms"] / step, 3)
             result["projected_speedup"] = projected(step, result["jakiro_compiled_round_ms"])

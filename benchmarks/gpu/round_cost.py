@@ -1,8 +1,8 @@
 """Cost of one full Jakiro round against one plain decode step, random weights at Llama-2-7B shape, eager and compiled.
 
 Sized for one H200 with no network (random bf16 weights, nothing downloaded; the eager pair takes about 2 minutes
-including start-up; the compiled pair adds three inductor compilations: the target's forward at two shapes and the
-draft step):
+including start-up; the compiled pair adds three inductor compilations: the target's forward for the plain step,
+`draft_round` and `verify_round`):
 
     python benchmarks/gpu/round_cost.py --out benchmarks/results/gpu/round_cost.json
 
@@ -16,17 +16,16 @@ Four timings, each per decode step or round at a fixed context:
                       tree in one forward, logits are checked, the target cache is compacted to the accepted path and
                       the accepted tokens come back to the host;
   * Jakiro compiled:  the same round as `generate(..., assistant_model=draft, cache_implementation="static")` runs
-                      it: the draft over its own static cache in compiled fixed-shape steps, the tree padded to its
-                      fixed size, verified into a StaticCache through the compiled forward, the path moved by index
-                      copies.
+                      it: `draft_round` (the draft over its own static cache) and `verify_round` (the forward over
+                      the padded tree, acceptance, the compaction), each compiled whole: two graph calls.
 Context length stays fixed: every timed step is undone before the next one. `--shape tiny --device cpu` runs the
 same code on a CPU (used by the test suite, with `--compile-backend eager`: dynamo traces the same full graphs
 without inductor's code generation, seconds instead of a minute); `--no-compile` leaves out the compiled pair.
 
 The pieces are separate functions for benchmarks/gpu/check.py, which times them at Llama-3-8B shape (`--shape
 llama3-8b` here) for several tree sizes: `build_pair` (random weights created on the device), `measure_plain_eager`,
-`measure_round_eager`, `measure_plain_compiled` and `measure_round_compiled` (one compiled forward and one static
-cache length, `static_cache_length`, shared by the plain step and every tree size).
+`measure_round_eager`, `measure_plain_compiled` and `measure_round_compiled` (one static cache length,
+`static_cache_length`, shared by the plain step and every tree size).
 """
 
 import argparse
@@ -45,8 +44,9 @@ from transformers_jakiro.adaptive import batch_tree
 from transformers_jakiro.batch_drafting import BatchDrafter
 from transformers_jakiro.batching import BatchVerifier
 from transformers_jakiro.decoding import verify_tree
+from transformers_jakiro.static_verify import compiled_verify_round, verify_fixed_round
 from transformers_jakiro.target_inputs import cache_kwarg
-from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_step
+from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_round
 from transformers_jakiro.kv_cache import new_target_cache, truncate
 from transformers_jakiro.tree import DraftTree
 
@@ -278,9 +278,10 @@ def measure_plain_compiled(target, prompt, forward, length: int, repeats: int, w
 
 
 @torch.no_grad()
-def measure_round_compiled(target, draft, settings: TreeSettings, prompt, forward, config: CompileConfig, length: int,
+def measure_round_compiled(target, draft, settings: TreeSettings, prompt, config: CompileConfig, length: int,
                            repeats: int, warmup: int) -> dict:
-    """The Jakiro round as `generate(..., assistant_model=draft, cache_implementation="static")` runs it."""
+    """The Jakiro round as `generate(..., assistant_model=draft, cache_implementation="static", compile_config=...)`
+    runs it: `draft_round` and `verify_round`, each compiled whole (two graph calls, one host read)."""
     device = prompt.device
     context = prompt.shape[1]
     cache_arg = cache_kwarg(target)
@@ -291,13 +292,17 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, forwar
     sequence = torch.cat([prompt, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     features = out.hidden_states[-1][0]
     del out
-    # The draft as decoding sets it up next to a compiled target: its own static cache, compiled k-row steps.
+    # The draft as decoding sets it up next to a compiled target: its own static cache, its compiled round.
+    extra = settings.top_k * settings.depth + max(settings.depth + 2, settings.lookup_tokens + 1)
     candidates = JakiroCandidateGenerator(
-        draft, settings, static_length=length + settings.top_k * (settings.depth + 1), step=compiled_draft_step(config)
+        draft, settings, static_length=length + extra, round_fn=compiled_draft_round(config)
     )
     candidates.set_features(features[:-1])
     candidates.get_candidates(sequence[:, :-1])
     stable = candidates.cached_length()
+    verify = compiled_verify_round(config)
+    no_padding = torch.zeros((), dtype=torch.long, device=device)
+    levels = max(settings.depth + int(settings.contrastive), settings.lookup_tokens, 1)
     parts = {"draft": [], "verify": []}
 
     def jakiro_round():
@@ -307,8 +312,8 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, forwar
         tree: DraftTree = candidates.get_candidates(sequence).padded(settings.max_nodes)
         sync()
         middle = time.perf_counter()
-        verified = verify_tree(target, cache, cache_arg, tree, sequence, LogitsProcessorList(), False,
-                               past=context, forward=forward)
+        verified = verify_fixed_round(verify, target, cache, cache_arg, tree, no_padding, LogitsProcessorList(),
+                                      False, levels=levels)
         candidates.set_features(verified.features)
         sync()
         parts["draft"].append(1000 * (middle - start))
@@ -340,7 +345,7 @@ def measure_compiled(target, draft, settings: TreeSettings, prompt, repeats: int
     forward = target.get_compiled_call(config)
     length = static_cache_length(prompt.shape[1], [settings])  # both caches alike: one mask width
     plain = measure_plain_compiled(target, prompt, forward, length, repeats, warmup)
-    rounds = measure_round_compiled(target, draft, settings, prompt, forward, config, length, repeats, warmup)
+    rounds = measure_round_compiled(target, draft, settings, prompt, config, length, repeats, warmup)
     return {
         "plain_compiled_step_ms": plain["plain_compiled_step_ms"],
         "jakiro_compiled_round_ms": rounds["jakiro_compiled_round_ms"],

@@ -10,16 +10,16 @@ longest path that agrees with the target plus one bonus token; both caches are c
 
 import inspect
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from . import adaptive, verification
+from .static_verify import compiled_verify_round, verify_fixed_round, verify_round
 from .adaptive import RoundChoice
 from .batching import batch_decode
-from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_round, compiled_draft_step
+from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_round, draft_round
 from .features import TargetFeatures
 from .kv_cache import is_static, keep_accepted, static_length, truncate
 from .logits import PREFIX_FREE_PROCESSORS, process_tree_logits
@@ -37,6 +37,7 @@ from .target_inputs import (
     target_cache,
 )
 from .tree import DraftTree
+from .verification import VerifiedRound
 
 
 def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor):
@@ -64,17 +65,16 @@ def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor)
 def _candidate_generator(target, draft, settings, cache, fixed_shape: bool, compiled: bool, generation_config):
     """The draft side follows the target's: with a static cache and fixed shapes the draft gets a static cache too
     (long enough for the target's positions plus a tree's levels and one read), and when the target's verify forward
-    is compiled so is the draft's round (`compiled_draft_round`) and fixed-shape step, with the same `CompileConfig`."""
+    is compiled so is the draft's round (`compiled_draft_round`), with the same `CompileConfig`."""
     if not (is_static(cache) and fixed_shape):
         return JakiroCandidateGenerator(draft, settings)
-    # the target's positions, then a tree's levels or one read (`draft_round`'s, or a chunk of top_k rows)
-    widest_read = max(settings.top_k, int(settings.depth) + 2, int(settings.lookup_tokens) + 1)
+    # the target's positions, then a tree's levels after `draft_round`'s read (padded to its read width)
+    widest_read = max(int(settings.depth) + 2, int(settings.lookup_tokens) + 1)
     length = static_length(cache) + settings.top_k * settings.depth + widest_read
-    step = round_fn = None
+    round_fn = draft_round
     if compiled:
-        config = generation_config.compile_config or target._default_compile_config()
-        step, round_fn = compiled_draft_step(config), compiled_draft_round(config)
-    return JakiroCandidateGenerator(draft, settings, static_length=length, step=step, round_fn=round_fn)
+        round_fn = compiled_draft_round(generation_config.compile_config or target._default_compile_config())
+    return JakiroCandidateGenerator(draft, settings, static_length=length, round_fn=round_fn)
 
 
 def _prefill(target, sequence, mask, cache, cache_arg: str, feature_layers):
@@ -107,35 +107,6 @@ def _verify_forward(target, cache, generation_config: GenerationConfig):
     if target._valid_auto_compile_criteria({"cache": cache, "past_key_values": cache}, generation_config):
         return target.get_compiled_call(generation_config.compile_config)
     return target
-
-
-@dataclass
-class VerifiedRound:
-    """What one verification round accepted; tensors on the target's device, rows in path order (root first).
-
-    path:      [m] node indices of the accepted path, root (node 0) first.
-    bonus:     [] the target's own token after the path's last node.
-    tokens:    [m] the round's new tokens: the accepted draft tokens below the root, then the bonus token.
-    token_ids: the same m tokens on the host (read in the round's one device-to-host copy).
-    processed: [m, vocab] processed logits at the path's nodes: the scores of the round's m new tokens.
-    raw:       [m, vocab] raw (float32) logits at the same nodes.
-    features:  [m, width] the target's features at the same nodes (the draft reads them next round): the last hidden
-               states, after the outputs of the draft's `target_feature_layers` if it names any.
-    lookup_accepted: accepted nodes that only the n-gram lookup proposed (read in the same copy); None when the tree
-               had no lookup nodes.
-    stops:     whether generation stops after each of the m tokens (read in the same copy), when `verify_tree` was
-               given the stopping verdicts to compute; None otherwise.
-    """
-
-    path: torch.LongTensor
-    bonus: torch.LongTensor
-    tokens: torch.LongTensor
-    token_ids: list[int]
-    processed: torch.Tensor
-    raw: torch.Tensor
-    features: torch.Tensor
-    lookup_accepted: int | None = None
-    stops: list[bool] | None = None
 
 
 def verify_tree(
@@ -266,102 +237,6 @@ def verify_tree(
     else:
         processed, raw = processed[row[path]], raw[row[path]]
     return VerifiedRound(path, bonus, tokens, token_ids, processed, raw, features[path], lookup_accepted, stops)
-
-
-def verify_round(target, cache, cache_arg: str, hidden: TargetFeatures, tokens, parents, depths, ancestors, real,
-                 from_lookup, levels: int, padding: int, dtype, processors, do_sample: bool):
-    """A whole verification round over the target's static cache, as one fixed-shape function (compiled whole, one
-    graph call per round): the target's forward over the tree (its mask and positions built from the cache's own
-    length, a device value), the per-node logits processing, acceptance, and every layer's cache compacted to the
-    accepted path, with no host read and no shape that changes from round to round.
-
-    The tree comes as its tensors (`DraftTree` fields, padded to the round's fixed size: `real` marks its real
-    nodes; `from_lookup` the lookup's, or None without lookup). `padding`: the prompt's left padding, hidden from
-    every node. `processors`: logits processors that ignore the ids (`logits.PREFIX_FREE_PROCESSORS`), applied to
-    every node at once. Returns, each padded to the path's width w = levels + 1: the host packet [2w + 1] (the path's
-    nodes, -1 past its end; the round's tokens, i.e. the accepted draft tokens then the bonus; how many accepted
-    nodes only the lookup proposed), the round's tokens [w], and the processed and raw logits and the features at
-    the path's nodes ([w, vocab], [w, vocab], [w, width]).
-    """
-    layer = cache.layers[0]
-    n, device = tokens.shape[0], tokens.device
-    past = layer.cumulative_length.clone()  # the tree is written from here on; the root's position is past - padding
-    columns = torch.arange(layer.max_cache_len, device=device)
-    offset = columns - past
-    in_tree = ancestors.gather(1, offset.clamp(0, n - 1)[None].expand(n, -1)) & ((offset >= 0) & (offset < n))[None]
-    visible = ((columns >= padding) & (columns < past))[None] | in_tree
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
-    out = target(
-        input_ids=tokens[None], position_ids=(depths + past - padding)[None], attention_mask=mask[None, None],
-        use_cache=True, **hidden.forward_kwargs(), **{cache_arg: cache},
-    )
-    features = hidden.take(out)[0]
-    raw = out.logits[0].float()
-    processed = raw
-    for processor in processors:  # prefix-free: the ids they are given do not matter
-        processed = processor(tokens[:, None], processed.clone() if processed is raw else processed)
-    tree = DraftTree(tokens, parents, depths, ancestors, None, levels=levels, from_lookup=from_lookup, real=real)
-    path, bonus = verification.accept(tree, verification.target_choices(processed, do_sample))
-    width = path.numel()
-    index = torch.arange(width, device=device)
-    count = (path >= 0).sum()
-    nodes = path.clamp(min=0)
-    # token i of the round: the draft token of path node i + 1, or the bonus at i = count - 1 (later ones: padding)
-    round_tokens = torch.where(index == count - 1, bonus, torch.cat([tokens[nodes[1:]], bonus[None]]))
-    lookup = (from_lookup[nodes] & (path >= 0)).sum() if from_lookup is not None else count.new_zeros(())
-    for cached in cache.layers:  # the path's entries move to [past, past + count); the rest is dropped
-        source, slots = past + nodes, past + index  # slots past the path get junk that the next round overwrites
-        cached.keys.index_copy_(2, slots, cached.keys.index_select(2, source))
-        cached.values.index_copy_(2, slots, cached.values.index_select(2, source))
-        cached.cumulative_length.copy_(past + count)
-    packet = torch.cat([path, round_tokens, lookup[None]])
-    return packet, round_tokens, processed[nodes], raw[nodes], features[nodes]
-
-
-_COMPILED_VERIFY_ROUNDS = {}
-
-
-def compiled_verify_round(compile_config):
-    """`verify_round` under torch.compile with the target's `CompileConfig`, whole (`fullgraph=True`) and with fixed
-    shapes (`dynamic=False`): one graph per tree size, none recompiled from round to round."""
-    options = {**compile_config.to_dict(), "fullgraph": True, "dynamic": False}
-    key = repr(sorted(options.items()))
-    if key not in _COMPILED_VERIFY_ROUNDS:
-        _COMPILED_VERIFY_ROUNDS[key] = torch.compile(verify_round, **options)
-    return _COMPILED_VERIFY_ROUNDS[key]
-
-
-def verify_fixed_round(round_fn, target, cache, cache_arg: str, tree: DraftTree, padding, processors, do_sample,
-                       feature_layers=(), verdicts=None, lookup: bool = False, levels: int | None = None) -> VerifiedRound:
-    """One round through `round_fn` (`verify_round` or its compiled form) and the round's one host read: the packet,
-    with the stopping verdicts (`verdicts`, as in `verify_tree`) computed on the device from the padded round's
-    tokens. `lookup`: the call drafts with lookup chains, so a tree without lookup nodes is given an all-False
-    `from_lookup` (one graph for both). `levels`: the deepest any of the call's trees can be (its path width less
-    one), so that every round's path has one width; the tree's own by default."""
-    levels = tree.levels if levels is None else levels
-    if tree.levels > levels:
-        raise ValueError(f"A tree of {tree.levels} levels cannot be verified at a path width of {levels + 1}.")
-    from_lookup = tree.from_lookup
-    if from_lookup is None and lookup:
-        from_lookup = torch.zeros_like(tree.tokens, dtype=torch.bool)
-    real = tree.real if tree.real is not None else torch.ones_like(tree.tokens, dtype=torch.bool)
-    with TargetFeatures(target, feature_layers) as hidden:
-        packet, round_tokens, processed, raw, features = round_fn(
-            target, cache, cache_arg, hidden, tree.tokens, tree.parents, tree.depths, tree.ancestors, real,
-            from_lookup, levels, padding, target.dtype, processors, do_sample,
-        )
-    width = levels + 1
-    fetch = [packet] if verdicts is None else [packet, verdicts(round_tokens, processed).long()]
-    host = torch.cat(fetch).tolist()  # the round's one device-to-host copy
-    m = sum(node >= 0 for node in host[:width])
-    stops = None if verdicts is None else [bool(v) for v in host[2 * width + 1 : 2 * width + 1 + m]]
-    lookup_accepted = host[2 * width] if tree.from_lookup is not None else None
-    # A compiled call with CUDA graphs hands out the same buffers every round: the features are cloned (the draft
-    # may read them rounds later); the logits are used up in the round, or cloned where kept (`jakiro_decode.emit`).
-    return VerifiedRound(
-        packet[:m], round_tokens[m - 1], round_tokens[:m], host[width : width + m], processed[:m], raw[:m],
-        features[:m].clone(), lookup_accepted, stops,
-    )
 
 
 @torch.no_grad()
@@ -633,8 +508,5 @@ __all__ = [
     "jakiro_generate",
     "lazy_leaf_head",
     "refuse_synced_gpus",
-    "compiled_verify_round",
-    "verify_fixed_round",
-    "verify_round",
     "verify_tree",
 ]

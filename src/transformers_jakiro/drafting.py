@@ -87,22 +87,6 @@ def lookup_from_generation_config(generation_config) -> dict:
     return overrides
 
 
-def draft_step(draft: JakiroDraftModel, cache, tokens, features, positions, mask, top_k: int):
-    """One fixed-shape draft forward over a static cache, and the top-k of its left head: the unit that is compiled.
-
-    tokens [k], features [k, hidden], positions [k], mask [k, cache length] (additive). Returns the left and right
-    (contrastive, or None) features [k, hidden] and the top-k (log-probabilities, target token ids) [k, top_k] of
-    every row. Tensors in, tensors out, no host reads: one graph serves every tree level and every read chunk."""
-    out = draft(
-        input_ids=tokens[None], hidden_states=features[None], position_ids=positions[None],
-        attention_mask=mask[None, None], cache=cache,
-    )
-    left = out.last_hidden_state[0]
-    right = None if out.contrastive_hidden_state is None else out.contrastive_hidden_state[0]
-    top = draft_log_probs(draft, left).topk(top_k, dim=-1)
-    return left, right, top.values, draft.draft_to_target_ids(top.indices)
-
-
 def expand_tree(root, left, right, log_probs, tokens, level, top, depth: int, k: int) -> TreeRecorder:
     """EAGLE-2 expansion from the root's draft outputs (`left`/`right` [1, hidden], its top-k `log_probs`/`tokens`
     [1, k]): `depth` levels of `k` kept nodes with `k` children each, then the contrastive level from the last
@@ -212,19 +196,6 @@ def compiled_draft_round(compile_config):
     return _COMPILED_ROUNDS[key]
 
 
-_COMPILED_STEPS = {}
-
-
-def compiled_draft_step(compile_config):
-    """`draft_step` under torch.compile with the target's `CompileConfig` (one wrapper per distinct config: dynamo
-    keeps its graphs on the function's code, so every generate call reuses them)."""
-    options = compile_config.to_dict()
-    key = repr(sorted(options.items()))
-    if key not in _COMPILED_STEPS:
-        _COMPILED_STEPS[key] = torch.compile(draft_step, **options)
-    return _COMPILED_STEPS[key]
-
-
 class JakiroCandidateGenerator:
     """Proposes one token tree per round from a Jakiro draft.
 
@@ -239,29 +210,23 @@ class JakiroCandidateGenerator:
     target features. With `settings.lookup_tokens > 0` an `NgramIndex` of the accepted sequence (fed through
     `extend_context`) adds continuations of earlier occurrences of the current suffix to the tree (`graft_chains`).
 
-    With `static_length` the draft's cache is a static one of that many positions, and after the prompt every draft
-    forward has one shape, `top_k` rows (`draft_step`): each tree level, and the newly accepted positions read in
-    chunks of `top_k` rows (the last chunk padded; its padding rows write after the real ones and are overwritten).
-    Masks span the static length; the cached length is kept on the host. After the prompt, a tree round is one call
-    of `round_fn` (`draft_round`, or `compiled_draft_round(...)`): the read and every level in one fixed-shape
-    function. `step` (e.g. `compiled_draft_step(...)`) runs the prompt's fixed-shape chunks and catch-up reads;
-    `draft_step` itself by default.
+    With `static_length` the draft's cache is a static one of that many positions, the cached length kept on the
+    host, and a tree round is one call of `round_fn` (`draft_round`, or `compiled_draft_round(...)`): the read of the
+    accepted positions and every level in one fixed-shape function. The prompt (but its last position) is read
+    before it eagerly, and so are positions that rounds without a draft forward left beyond its read width (in
+    one eager forward: rare, and never a new graph).
     """
 
-    def __init__(
-        self, draft: JakiroDraftModel, settings: TreeSettings, static_length: int | None = None, step=None,
-        round_fn=None,
-    ):
+    def __init__(self, draft: JakiroDraftModel, settings: TreeSettings, static_length: int | None = None, round_fn=None):
         self.draft = draft
         self.settings = settings
         self.static = static_length is not None
         self.cache = DynamicCache() if static_length is None else new_draft_cache(static_length)
         self.static_length = static_length
         self._length = 0  # cached positions, for the static cache (which reports its length as a device tensor)
-        self._step = draft_step if step is None else step
         self._round = draft_round if round_fn is None else round_fn
         # The widest read a tree round makes: the most positions one round accepts (its deepest level or longest
-        # lookup chain, plus the bonus token); wider catch-up reads (after rounds without a draft forward) are chunked
+        # lookup chain, plus the bonus token); what rounds without a draft forward left beyond it is read before
         self.read_width = max(int(settings.depth) + int(settings.contrastive), int(settings.lookup_tokens)) + 1
         self._pending: list[torch.Tensor] = []  # see `pending_features`
         # Seconds of this round's draft read spent on rows that rounds without a draft forward (or the prompt) left:
@@ -323,15 +288,9 @@ class JakiroCandidateGenerator:
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
         return mask.masked_fill(~visible, torch.finfo(dtype).min)
 
-    def _run_static(self, tokens, features, positions, visible):
-        """One fixed-shape forward; outputs cloned, as a compiled step with CUDA graphs reuses its output buffers."""
-        mask = self._visible_to_mask(visible)
-        outputs = self._step(self.draft, self.cache, tokens, features, positions, mask, self.top_k)
-        return tuple(None if t is None else t.clone() for t in outputs)
-
     def _read(self, next_tokens: torch.LongTensor, features: torch.Tensor, past: int, k: int):
-        """The draft reads the accepted positions [past, past + m); returns (left, right, top-k log-probs, top-k ids)
-        of the last one, each with one row."""
+        """The draft reads the accepted positions [past, past + m) in one eager forward; returns (left, right, top-k
+        log-probs, top-k ids) of the last one, each with one row."""
         contrastive = self.settings.contrastive
         if not self.static or past == 0:  # the prompt (any length) runs eagerly: causal, no mask, last row kept
             mask = None
@@ -349,23 +308,18 @@ class JakiroCandidateGenerator:
             right = out.contrastive_hidden_state[0] if contrastive else None
             self._length = past + features.shape[0]
             return (left, right, *self._draft_level(left, k))
-        k, device, width = self.top_k, features.device, self.static_length  # static: always the configured k
-        # Fused here, eagerly: the fixed-shape step then sees hidden-size features only, in reads as in levels, and
-        # keeps its one compiled graph when the head reads several target layers.
-        features = self.draft.fuse_features(features.to(self.draft.fc.weight.dtype))
-        columns = torch.arange(width, device=device)
-        m = features.shape[0]
-        for start in range(0, m, k):
-            rows = min(k, m - start)
-            extra = k - rows
-            tokens = torch.cat([next_tokens[start : start + rows], next_tokens.new_zeros(extra)])
-            chunk = torch.cat([features[start : start + rows], features.new_zeros(extra, features.shape[1])])
-            positions = past + start + torch.arange(k, device=device)
-            out = self._run_static(tokens, chunk, positions, columns[None, :] <= positions[:, None])  # causal
-            self.rewind(past + start + rows)  # the padding rows' entries are not kept
-        left, right, log_probs, ids = out
-        last = slice(rows - 1, rows)
-        return left[last], right[last] if contrastive else None, log_probs[last], ids[last]
+        # Over the static cache after the prompt: an explicit causal mask over its columns, positions from `past`.
+        positions = past + torch.arange(features.shape[0], device=features.device)
+        columns = torch.arange(self.static_length, device=features.device)
+        out = self.draft(
+            input_ids=next_tokens[None], hidden_states=features[None], position_ids=positions[None],
+            attention_mask=self._visible_to_mask((columns[None, :] <= positions[:, None])[None, None]),
+            cache=self.cache, features_to_keep=1,
+        )
+        left = out.last_hidden_state[0]
+        right = out.contrastive_hidden_state[0] if contrastive else None
+        self._length = past + features.shape[0]
+        return (left, right, *self._draft_level(left, k))
 
     def _level(self, tokens, parent_features, position: int, stable: int, visible: torch.BoolTensor, k: int):
         """One tree level (the dynamic cache's; `draft_round` has the static one's): k nodes at `position`, seeing the
@@ -461,12 +415,12 @@ class JakiroCandidateGenerator:
 
     def _static_round(self, root, next_tokens, features, past: int, total_tokens: int, depth: int, k: int) -> DraftTree:
         """A tree round over the static cache: `draft_round`, one fixed-shape call. The prompt (but its last position)
-        and positions that rounds without a draft forward left unread beyond its read width are read first (`_read`:
-        the prompt eagerly, catch-up reads in fixed-shape chunks)."""
+        and positions that rounds without a draft forward left unread beyond its read width are read first, in one
+        eager forward (`_read`)."""
         width = self.read_width
         extra = features.shape[0] - (1 if past == 0 else width)
         tic = time.perf_counter()
-        if extra > 0:  # the prompt, but for its last position, in one eager forward; catch-up reads in chunks
+        if extra > 0:
             self._read(next_tokens[:extra], features[:extra], past, k)
             past, next_tokens, features = past + extra, next_tokens[extra:], features[extra:]
         self.catch_up_s = time.perf_counter() - tic

@@ -15,6 +15,7 @@ all at once in one batched `multinomial` changes nothing.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -82,4 +83,33 @@ def verify(
     return path, bonus
 
 
-__all__ = ["accept", "path_nodes", "target_choices", "verify"]
+@dataclass
+class VerifiedRound:
+    """What one verification round accepted; tensors on the target's device, rows in path order (root first).
+
+    path:      [m] node indices of the accepted path, root (node 0) first.
+    bonus:     [] the target's own token after the path's last node.
+    tokens:    [m] the round's new tokens: the accepted draft tokens below the root, then the bonus token.
+    token_ids: the same m tokens on the host (read in the round's one device-to-host copy).
+    processed: [m, vocab] processed logits at the path's nodes: the scores of the round's m new tokens.
+    raw:       [m, vocab] raw (float32) logits at the same nodes.
+    features:  [m, width] the target's features at the same nodes (the draft reads them next round): the last hidden
+               states, after the outputs of the draft's `target_feature_layers` if it names any.
+    lookup_accepted: accepted nodes that only the n-gram lookup proposed (read in the same copy); None when the tree
+               had no lookup nodes.
+    stops:     whether generation stops after each of the m tokens (read in the same copy), when `verify_tree` was
+               given the stopping verdicts to compute; None otherwise.
+    """
+
+    path: torch.LongTensor
+    bonus: torch.LongTensor
+    tokens: torch.LongTensor
+    token_ids: list[int]
+    processed: torch.Tensor
+    raw: torch.Tensor
+    features: torch.Tensor
+    lookup_accepted: int | None = None
+    stops: list[bool] | None = None
+
+
+__all__ = ["VerifiedRound", "accept", "path_nodes", "target_choices", "verify"]
