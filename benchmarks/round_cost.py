@@ -114,9 +114,11 @@ def opaque_graphs(graph_calls: list, target):
     forward) run eagerly as opaque calls, outside the dispatch mode, each adding one to `graph_calls[0]`; the
     ops counted are then the ones a compiled run dispatches outside its graphs. (Compiled code itself cannot run
     under a dispatch mode or hooks without recompiling.)"""
+    import importlib
+
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from transformers_jakiro import decoding, drafting
+    from transformers_jakiro import decoding
 
     def opaque(fn):
         def call(*args, **kwargs):
@@ -125,11 +127,15 @@ def opaque_graphs(graph_calls: list, target):
                 return fn(*args, **kwargs)
         return call
 
-    names = ("compiled_draft_round", "compiled_verify_round")
-    saved = {name: getattr(decoding, name, None) for name in names}
+    # each compiled function decoding looks up, and the eager function it compiles (older trees: a draft step)
+    compiled = {"compiled_draft_round": ("drafting", "draft_round"), "compiled_draft_step": ("drafting", "draft_step"),
+                "compiled_verify_round": ("static_verify", "verify_round")}
+    saved = {name: getattr(decoding, name) for name in compiled if hasattr(decoding, name)}
     target.get_compiled_call = lambda config: opaque(target.__call__)  # generate's own steps, verify_tree's forward
-    decoding.compiled_draft_round = lambda config: opaque(drafting.draft_round)
-    decoding.compiled_verify_round = lambda config: opaque(decoding.verify_round)
+    for name in saved:
+        module, function = compiled[name]
+        eager = getattr(importlib.import_module(f"transformers_jakiro.{module}"), function)
+        setattr(decoding, name, lambda config, eager=eager: opaque(eager))
     try:
         yield
     finally:
