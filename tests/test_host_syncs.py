@@ -31,6 +31,9 @@ ROUND_LIMIT_WITH_PREFIX_PROCESSORS = 2  # repetition_penalty, min_new_tokens: th
 ROUND_LIMIT_WITH_LOOKUP = 3
 BATCH_ROUND_LIMIT = 2  # B = 4: the round's one read, and one upload of the rows' lengths and positions to the draft
 BATCH_LEAVING_EXTRA = 3  # a round after which rows finish: the kept rows' index, each cache's columns that stay
+# The compiled static round: the ops outside its two graphs (padding the draft's read, the stopping verdicts, the
+# round's one read and the host's slices of it); none per layer.
+COMPILED_ROUND_EAGER_OPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +152,32 @@ def test_the_round_cost_script_reports_a_round_against_a_step():
     assert round_["ops"] > step["ops"] > 0 and round_["seconds"] > 0
     assert decoding.lazy_leaf_head is not None and decoding.lazy_leaf_head.__name__ == "lazy_leaf_head"  # restored
 
+
+
+def test_compiled_static_round_is_two_graph_calls_one_read_and_few_eager_ops(pair):
+    """With a static cache and `compile_config`, a round is `draft_round` and `verify_round`: two graph calls, one
+    host read, and little around them. Counted as `benchmarks/round_cost.py --compiled` counts (each compiled
+    function run as one opaque call, so nothing is compiled here): per round, from a long and a 1-token generation."""
+    from transformers import CompileConfig
+
+    script = load_script("round_cost.py", "round_cost_graphs")
+    target, draft = pair
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    kwargs = dict(do_sample=False, eos_token_id=None, assistant_model=draft, cache_implementation="static",
+                  compile_config=config, max_cache_len=160)
+    prompt = torch.tensor([[3, 4, 5, 6, 7, 8]])
+
+    def count(new_tokens):
+        graphs, counter = [0], HostSyncCounter()
+        with tree_settings(draft, total_tokens=60, depth=5, top_k=10, adaptive=False):
+            with script.opaque_graphs(graphs, target), counter:
+                target.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        return counter.total, counter.ops, graphs[0], draft.last_generation_stats.rounds
+
+    long, short = count(40), count(1)
+    rounds = long[3] - short[3]
+    syncs, ops, graph_calls = ((a - b) / rounds for a, b in zip(long[:3], short[:3]))
+    print(f"per round: {syncs} syncs, {ops} eager ops outside graphs, {graph_calls} graph calls")
+    assert rounds > 5 and graph_calls == 2 and syncs <= ROUND_LIMIT
+    assert ops <= COMPILED_ROUND_EAGER_OPS

@@ -5,7 +5,7 @@ asked prefix by prefix."""
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from transformers_jakiro.target_inputs import _all_at_once, stop_verdicts
+from transformers_jakiro.target_inputs import _all_at_once, round_verdicts, stop_verdicts
 
 
 def _prefix_by_prefix(criteria, sequence, start, count):
@@ -23,10 +23,12 @@ def test_lengths_and_eos_at_once_equal_the_criteria_prefix_by_prefix():
         if trial % 2 == 0:
             criteria.append(EosTokenCriteria(torch.randint(0, 10, (int(trial % 4 == 0) + 1,), generator=g)))
         criteria = StoppingCriteriaList(criteria)
-        at_once = _all_at_once(criteria, sequence, start, count)
+        at_once = _all_at_once(criteria, sequence[0, start:], start)
         assert at_once is not None
         assert torch.equal(at_once, _prefix_by_prefix(criteria, sequence, start, count)), trial
         assert torch.equal(stop_verdicts(criteria, sequence, start, None, count), at_once)
+        tokens = sequence[0, start:]
+        assert torch.equal(round_verdicts(criteria, sequence[:, :start], tokens, None), at_once)
 
 
 def test_other_criteria_are_asked_prefix_by_prefix():
@@ -36,9 +38,11 @@ def test_other_criteria_are_asked_prefix_by_prefix():
 
     sequence = torch.tensor([[1, 2, 7, 3, 7]])
     criteria = StoppingCriteriaList([MaxLengthCriteria(10), StopAfterSeven()])
-    assert _all_at_once(criteria, sequence, 1, 4) is None
+    assert _all_at_once(criteria, sequence[0, 1:], 1) is None
     assert stop_verdicts(criteria, sequence, 1, torch.zeros(4, 10), 4).tolist() == [False, True, False, True]
+    assert round_verdicts(criteria, sequence[:, :1], sequence[0, 1:], torch.zeros(4, 10)).tolist() == [
+        False, True, False, True]
     # past max_position_embeddings plain generate warns: that length is checked prefix by prefix, as there
     beyond = StoppingCriteriaList([MaxLengthCriteria(10, max_position_embeddings=3)])
-    assert _all_at_once(beyond, sequence, 1, 4) is None
+    assert _all_at_once(beyond, sequence[0, 1:], 1) is None
     assert stop_verdicts(beyond, sequence, 1, torch.zeros(4, 10), 4).tolist() == [False, False, False, False]

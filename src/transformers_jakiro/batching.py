@@ -41,7 +41,9 @@ from .logits import process_tree_logits, processors_for_row
 from .modeling_jakiro import JakiroDraftModel
 from .rope import deepest_level, refuse_batch_across, rope_limits
 from .stats import JakiroGenerationStats
-from .target_inputs import cache_kwarg, check_position_ids, forward_accepts, left_paddings, stop_verdicts, target_cache
+from .target_inputs import (
+    cache_kwarg, check_position_ids, forward_accepts, left_paddings, round_verdicts, stop_verdicts, target_cache,
+)
 from .tree import DraftTree
 
 
@@ -176,9 +178,8 @@ class BatchVerifier:
                 index = torch.arange(width, device=device)
                 round_tokens = torch.where(index == (path >= 0).sum() - 1, bonus,
                                            torch.cat([path_tokens[1:], bonus[None]]))
-                extended = torch.cat([sequences[r], round_tokens[None].to(sequences[r].device)], dim=1)
-                fetch.append(stop_verdicts(stopping_criteria, extended, sequences[r].shape[1],
-                                           processed[path.clamp(min=0)], width).long())
+                fetch.append(round_verdicts(stopping_criteria, sequences[r], round_tokens,
+                                            processed[path.clamp(min=0)]).long())
         host = torch.cat(fetch).tolist()  # the round's one copy for the whole batch
         verdict = BatchVerdict([], [], [], [], [], features, [] if stopping_criteria is not None else None)
         at = 0

@@ -33,6 +33,7 @@ from .target_inputs import (
     check_supported,
     forward_accepts,
     left_padding,
+    round_verdicts,
     stop_verdicts,
     target_cache,
 )
@@ -367,8 +368,7 @@ def jakiro_decode(
         tic = time.perf_counter()
         past = sequence.shape[1] - 1  # the cache holds everything but the root, the last accepted token
         def verdicts(round_tokens, round_scores, prefix=sequence):
-            extended = torch.cat([prefix, round_tokens[None].to(prefix.device)], dim=1)
-            return stop_verdicts(stopping_criteria, extended, prefix.shape[1], round_scores, round_tokens.numel())
+            return round_verdicts(stopping_criteria, prefix, round_tokens, round_scores)
 
         if round_fn is not None:
             verified = verify_fixed_round(

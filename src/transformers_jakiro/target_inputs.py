@@ -138,32 +138,45 @@ def stop_verdicts(stopping_criteria, sequence: torch.LongTensor, start: int, pro
     ([1, length]) holds from `start` on. Plain decoding checks the stopping criteria after every token, and an EOS or
     a stop string may sit inside an accepted path, so every prefix is checked; `processed` holds the tokens'
     scores. The caller reads the verdicts on the host together with whatever else it needs (one sync)."""
-    verdicts = _all_at_once(stopping_criteria, sequence, start, count)
+    verdicts = _all_at_once(stopping_criteria, sequence[0, start : start + count], start)
     if verdicts is not None:
         return verdicts
     verdicts = [stopping_criteria(sequence[:, : start + i + 1], processed[i : i + 1]).any() for i in range(count)]
     return torch.stack(verdicts)
 
 
-def _all_at_once(stopping_criteria, sequence: torch.LongTensor, start: int, count: int):
-    """`stop_verdicts` in a few ops for every token at once, when every criterion is a maximum length (a verdict that
-    depends on the length only) or an EOS token (on the token only); None for any other criterion (stop strings, time
-    limits, custom ones), which are asked prefix by prefix. A maximum length that the sequence could pass
+def round_verdicts(stopping_criteria, prefix: torch.LongTensor, tokens: torch.LongTensor, scores: torch.Tensor):
+    """`stop_verdicts` for a round's `tokens` ([w], padded to a fixed width; their `scores` [w, vocab]) after
+    `prefix` ([1, length]): decided from the tokens alone when the criteria allow (`_all_at_once`), else prefix by
+    prefix over the extended sequence."""
+    verdicts = _all_at_once(stopping_criteria, tokens, prefix.shape[1])
+    if verdicts is not None:
+        return verdicts
+    extended = torch.cat([prefix, tokens[None].to(prefix.device)], dim=1)
+    return stop_verdicts(stopping_criteria, extended, prefix.shape[1], scores, tokens.numel())
+
+
+def _all_at_once(stopping_criteria, tokens: torch.LongTensor, start: int):
+    """Whether generation stops after each of `tokens` ([count], the sequence's tokens from position `start` on) in
+    a few ops for all of them at once, when every criterion is a maximum length (a verdict that depends on the
+    length only) or an EOS token (on the token only); None for any other criterion (stop strings, time limits,
+    custom ones), which are asked prefix by prefix. A maximum length that the sequence could pass
     `max_position_embeddings` with goes that way too, for the warning plain generate gives there."""
-    tokens = sequence[0, start : start + count]
-    verdicts = torch.zeros_like(tokens, dtype=torch.bool)
+    count = tokens.shape[0]
+    verdicts = None
     for criterion in stopping_criteria:
         if type(criterion) is MaxLengthCriteria:
             limit = criterion.max_position_embeddings
             if limit is not None and start + count > limit:
                 return None
             # the length after token i is start + i + 1: the verdict holds from token max_length - start - 1 on
-            verdicts = verdicts | (torch.arange(count, device=tokens.device) >= criterion.max_length - start - 1)
+            verdict = torch.arange(count, device=tokens.device) >= criterion.max_length - start - 1
         elif type(criterion) is EosTokenCriteria:
-            verdicts = verdicts | torch.isin(tokens, criterion.eos_token_id.to(tokens.device))
+            verdict = torch.isin(tokens, criterion.eos_token_id.to(tokens.device))
         else:
             return None
-    return verdicts
+        verdicts = verdict if verdicts is None else verdicts | verdict
+    return torch.zeros_like(tokens, dtype=torch.bool) if verdicts is None else verdicts
 
 
 def check_supported(target, draft, input_ids, processors, model_kwargs, generation_config) -> None:
