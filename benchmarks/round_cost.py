@@ -210,7 +210,9 @@ def measure(target, draft, prompt, args, jakiro: bool) -> dict:
         calls_context = counting_calls(target, draft) if count else contextlib.nullcontext([0, 0])
         with context(), torch.no_grad(), calls_context as calls, counter:
             tic = time.perf_counter()
-            target.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+            # an explicit mask: a chat prompt may hold the pad token, which generate would otherwise mask out
+            target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, **kwargs)
             seconds = time.perf_counter() - tic
         rounds = draft.last_generation_stats.rounds if jakiro else new_tokens
         return seconds, rounds, (counter if count else None), list(calls)
