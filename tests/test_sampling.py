@@ -162,13 +162,22 @@ def test_wrong_acceptance_rule_is_detected(target_and_draft, monkeypatch):
     assert chi_square_p_value(counts, probs) < 1e-6
 
 
-@pytest.mark.parametrize("cache_implementation", [None, "static"])
+@pytest.mark.parametrize("cache_implementation", [None, "static", "static-compiled"])
 def test_generate_entry_point_samples_the_same_distribution(target_and_draft, monkeypatch, cache_implementation):
     """Through target.generate(do_sample=True, temperature=..., assistant_model=draft): first two tokens. This one
     keeps the full logits of every tree node (the accelerator path); the tests above run the CPU path, where leaves'
     logits are computed only when the accepted path ends there. With cache_implementation="static" the trees are
-    verified into a StaticCache, padded to one size with dummy nodes (sampled too, never accepted)."""
+    verified into a StaticCache, padded to one size with dummy nodes (sampled too, never accepted), by
+    `verify_round`; "static-compiled" runs it and `draft_round` compiled (inductor's random numbers)."""
+    from transformers import CompileConfig
+
     from transformers_jakiro import decoding
+
+    compile_kwargs = {}
+    if cache_implementation == "static-compiled":
+        config = CompileConfig(fullgraph=True, mode="default")
+        config._compile_all_devices = True  # transformers' switch for compiling on a CPU
+        cache_implementation, compile_kwargs = "static", {"compile_config": config}
 
     monkeypatch.setattr(decoding, "lazy_leaf_head", lambda *args: None)
     target, draft = target_and_draft
@@ -181,7 +190,7 @@ def test_generate_entry_point_samples_the_same_distribution(target_and_draft, mo
         for _ in range(2000):
             out = target.generate(
                 PROMPT, do_sample=True, temperature=0.8, max_new_tokens=2, assistant_model=draft,
-                cache_implementation=cache_implementation,
+                cache_implementation=cache_implementation, **compile_kwargs,
             )
             counts[out[0, 3] * VOCAB + out[0, 4]] += 1
     assert chi_square_p_value(counts, probs) > 1e-4

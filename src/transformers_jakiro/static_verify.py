@@ -12,15 +12,15 @@ from .verification import VerifiedRound
 
 
 def verify_round(target, cache, cache_arg: str, hidden: TargetFeatures, tokens, parents, depths, ancestors, real,
-                 from_lookup, levels: int, padding: int, dtype, processors, do_sample: bool):
+                 from_lookup, levels: int, padding, dtype, processors, do_sample: bool):
     """A whole verification round over the target's static cache, as one fixed-shape function (compiled whole, one
     graph call per round): the target's forward over the tree (its mask and positions built from the cache's own
     length, a device value), the per-node logits processing, acceptance, and every layer's cache compacted to the
     accepted path, with no host read and no shape that changes from round to round.
 
     The tree comes as its tensors (`DraftTree` fields, padded to the round's fixed size: `real` marks its real
-    nodes; `from_lookup` the lookup's, or None without lookup). `padding`: the prompt's left padding, hidden from
-    every node. `processors`: logits processors that ignore the ids (`logits.PREFIX_FREE_PROCESSORS`), applied to
+    nodes; `from_lookup` the lookup's, or None without lookup). `padding` (a 0-dim device tensor, so that every
+    prompt shares one graph): the prompt's left padding, hidden from every node. `processors`: logits processors that ignore the ids (`logits.PREFIX_FREE_PROCESSORS`), applied to
     every node at once. Returns, each padded to the path's width w = levels + 1: the host packet [2w + 1] (the path's
     nodes, -1 past its end; the round's tokens, i.e. the accepted draft tokens then the bonus; how many accepted
     nodes only the lookup proposed), the round's tokens [w], and the processed and raw logits and the features at
