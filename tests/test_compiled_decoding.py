@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from tiny_models import make_target, quick_trained_draft, random_prompt
-from transformers_jakiro import drafting, static_verify, tree_settings
+from transformers_jakiro import drafting, tree_settings
 
 pytestmark = pytest.mark.compile
 
@@ -53,12 +53,10 @@ def compiled(request):
 def test_compiled_greedy_identical_and_never_recompiled(compiled, monkeypatch):
     target, draft, config = compiled
     # Count the rounds that went through the compiled verify round (every round but the eager prefill).
-    calls = []
-    for key, fn in list(static_verify._COMPILED.items()):
-        monkeypatch.setitem(static_verify._COMPILED, key, lambda *a, _fn=fn, **k: calls.append(1) or _fn(*a, **k))
-    draft_calls = []
-    for key, fn in list(drafting._COMPILED_ROUNDS.items()):
-        monkeypatch.setitem(drafting._COMPILED_ROUNDS, key, lambda *a, _fn=fn, **k: draft_calls.append(1) or _fn(*a, **k))
+    calls, draft_calls = [], []
+    for key, fn in list(drafting._COMPILED.items()):  # keyed by (the function's name, the compile options)
+        counted = calls if key[0] == "verify_round" else draft_calls
+        monkeypatch.setitem(drafting._COMPILED, key, lambda *a, _fn=fn, _c=counted, **k: _c.append(1) or _fn(*a, **k))
     graphs = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(11)
     rounds, tree_rounds, accepted = 0, 0, set()
@@ -95,9 +93,8 @@ def test_compile_follows_transformers_criteria(compiled, monkeypatch):
     target, draft, config = compiled
     compiled_call, calls = target._compiled_call, []
     monkeypatch.setattr(target, "_compiled_call", lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs))
-    for table in (drafting._COMPILED_ROUNDS, static_verify._COMPILED):
-        for key, fn in list(table.items()):
-            monkeypatch.setitem(table, key, lambda *a, _fn=fn, **k: calls.append(2) or _fn(*a, **k))
+    for key, fn in list(drafting._COMPILED.items()):
+        monkeypatch.setitem(drafting._COMPILED, key, lambda *a, _fn=fn, **k: calls.append(2) or _fn(*a, **k))
     prompt = torch.tensor([[7, 8, 9, 10]])
     with tree_settings(draft, **TREE):
         target.generate(prompt, do_sample=False, max_new_tokens=6, assistant_model=draft, cache_implementation="static")

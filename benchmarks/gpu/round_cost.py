@@ -293,7 +293,7 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, config
     features = out.hidden_states[-1][0]
     del out
     # The draft as decoding sets it up next to a compiled target: its own static cache, its compiled round.
-    extra = settings.top_k * settings.depth + max(settings.depth + 2, settings.lookup_tokens + 1)
+    extra = settings.top_k * settings.depth + settings.max_levels + 1
     candidates = JakiroCandidateGenerator(
         draft, settings, static_length=length + extra, round_fn=compiled_draft_round(config)
     )
@@ -302,7 +302,6 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, config
     stable = candidates.cached_length()
     verify = compiled_verify_round(config)
     no_padding = torch.zeros((), dtype=torch.long, device=device)
-    levels = max(settings.depth + int(settings.contrastive), settings.lookup_tokens, 1)
     parts = {"draft": [], "verify": []}
 
     def jakiro_round():
@@ -313,7 +312,7 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, config
         sync()
         middle = time.perf_counter()
         verified = verify_fixed_round(verify, target, cache, cache_arg, tree, no_padding, LogitsProcessorList(),
-                                      False, levels=levels)
+                                      False, levels=settings.max_levels)
         candidates.set_features(verified.features)
         sync()
         parts["draft"].append(1000 * (middle - start))

@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .adaptive import RoundChoice
-from .drafting import TreeSettings, draft_log_probs
+from .drafting import TreeSettings, draft_top_k
 from .kv_cache import drop_hole_columns, select_rows, truncate
 from .lookup import NgramIndex, continues
 from .modeling_jakiro import JakiroDraftModel
@@ -183,10 +183,6 @@ class BatchDrafter:
             right = None
         return left, right
 
-    def _top(self, features: torch.Tensor, k: int):
-        top = draft_log_probs(self.draft, features).topk(k, dim=-1)
-        return top.values, self.draft.draft_to_target_ids(top.indices)
-
     @torch.no_grad()
     def trees(self, roots: torch.LongTensor, total_tokens: int, depth: int, top_k: int, chains=None) -> list[DraftTree]:
         """Every row's tree for this round, rooted at `roots` [rows] (each row's last accepted token), with its lookup
@@ -208,7 +204,7 @@ class BatchDrafter:
             depths_by_level.append(torch.full_like(tokens_by_level[-1], level))
             return torch.arange(start, start + tokens_by_level[-1].shape[1], device=device)
 
-        kept_scores, kept_tokens = self._top(left, k)  # [rows, k]
+        kept_scores, kept_tokens = draft_top_k(self.draft, left, k)  # [rows, k]
         index = record(kept_tokens, torch.zeros_like(kept_tokens), kept_scores, 1)
         kept_index = index[None].expand(rows, k)
         kept_rows = torch.zeros(rows, k, dtype=torch.long, device=device)
@@ -226,7 +222,7 @@ class BatchDrafter:
             )
             left = out.last_hidden_state
             right = out.contrastive_hidden_state if self.settings.contrastive else None
-            log_probs, tokens = self._top(left, k)  # [rows, k, k]
+            log_probs, tokens = draft_top_k(self.draft, left, k)  # [rows, k, k]
             scores = kept_scores[..., None] + log_probs
             index = record(tokens, kept_index[..., None].expand(rows, k, k), scores, level)
             best = scores.reshape(rows, -1).topk(k, dim=-1).indices
@@ -240,7 +236,7 @@ class BatchDrafter:
         if right is not None:
             if right.dim() == 2:  # depth 1: the root's own right output
                 right = right[:, None]
-            log_probs, tokens = self._top(right, k)  # [rows, rows of the last forward, k]
+            log_probs, tokens = draft_top_k(self.draft, right, k)  # [rows, rows of the last forward, k]
             pick = kept_rows[..., None].expand(-1, -1, k)
             record(tokens.gather(1, pick), kept_index[..., None].expand(rows, k, k),
                    kept_scores[..., None] + log_probs.gather(1, pick), depth + 1)

@@ -70,8 +70,7 @@ def _candidate_generator(target, draft, settings, cache, fixed_shape: bool, comp
     if not (is_static(cache) and fixed_shape):
         return JakiroCandidateGenerator(draft, settings)
     # the target's positions, then a tree's levels after `draft_round`'s read (padded to its read width)
-    widest_read = max(int(settings.depth) + 2, int(settings.lookup_tokens) + 1)
-    length = static_length(cache) + settings.top_k * settings.depth + widest_read
+    length = static_length(cache) + settings.top_k * settings.depth + settings.max_levels + 1
     round_fn = draft_round
     if compiled:
         round_fn = compiled_draft_round(generation_config.compile_config or target._default_compile_config())
@@ -290,13 +289,11 @@ def jakiro_decode(
         limits.refuse_unfollowable(generation_config.max_length, static)
     # Fixed shapes over a static cache: a round is two fixed-shape functions, the draft's (`draft_round`) and this
     # one, compiled whole when generate would compile. Processors that read the ids stay on `verify_tree`'s path.
-    round_fn = None
+    verify_fn = None
     if static and fixed_shape and all(type(p) in PREFIX_FREE_PROCESSORS for p in logits_processor):
         config = generation_config.compile_config or target._default_compile_config()
-        round_fn = compiled_verify_round(config) if compiled else verify_round
+        verify_fn = compiled_verify_round(config) if compiled else verify_round
         padding_t = torch.full((), padding, dtype=torch.long, device=target_device)  # one graph for every padding
-        # every round's path padded to one width: the deepest tree level or the longest lookup chain
-        path_levels = max(int(settings.depth) + int(settings.contrastive), int(settings.lookup_tokens), 1)
 
     def emit(
         tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor, choice="prefill",
@@ -370,10 +367,11 @@ def jakiro_decode(
         def verdicts(round_tokens, round_scores, prefix=sequence):
             return round_verdicts(stopping_criteria, prefix, round_tokens, round_scores)
 
-        if round_fn is not None:
+        if verify_fn is not None:  # every round's path padded to one width: the deepest any tree can be
             verified = verify_fixed_round(
-                round_fn, target, cache, cache_arg, tree, padding_t, logits_processor, do_sample,
-                draft.config.target_feature_layers, verdicts, lookup=settings.lookup_tokens > 0, levels=path_levels,
+                verify_fn, target, cache, cache_arg, tree, padding_t, logits_processor, do_sample,
+                draft.config.target_feature_layers, verdicts, lookup=settings.lookup_tokens > 0,
+                levels=settings.max_levels,
             )
         else:
             verified = verify_tree(

@@ -16,7 +16,7 @@ from .adaptive import RoundChoice
 from .kv_cache import new_draft_cache, truncate
 from .lookup import NgramIndex, continues
 from .modeling_jakiro import JakiroDraftModel
-from .tree import DraftTree, TreeRecorder, flattened_tensors, graft_chains
+from .tree import DraftTree, TreeRecorder, flattened_tensors, graft_chains, tree_columns
 
 
 @dataclass
@@ -40,6 +40,12 @@ class TreeSettings:
     lookup_chains: int = 1
     fixed_shape: bool | None = None
     adaptive: bool = True
+
+    @property
+    def max_levels(self) -> int:
+        """The deepest any round's tree can be: its levels (the contrastive one included) or its longest lookup
+        chain. A round accepts at most this many nodes below the root, plus the bonus token."""
+        return max(int(self.depth) + int(self.contrastive), int(self.lookup_tokens), 1)
 
     @property
     def max_nodes(self) -> int:
@@ -122,6 +128,12 @@ def expand_tree(root, left, right, log_probs, tokens, level, top, depth: int, k:
     return recorder
 
 
+def draft_top_k(draft: JakiroDraftModel, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.LongTensor]:
+    """Top-k (log-probability, target token id) of the draft's next-token distribution for each feature row."""
+    top = draft_log_probs(draft, features).topk(k, dim=-1)
+    return top.values, draft.draft_to_target_ids(top.indices)
+
+
 def draft_log_probs(draft: JakiroDraftModel, features: torch.Tensor) -> torch.Tensor:
     """The draft's next-token log-probabilities (float32) for each feature row, NaN as -inf: a head that overflows
     (NaN or infinite logits give NaN log-probabilities) then proposes its candidates last, never first (topk ranks NaN
@@ -159,17 +171,12 @@ def draft_round(draft: JakiroDraftModel, cache, tokens, features, count, root, d
     right = out.contrastive_hidden_state[0].index_select(0, last) if contrastive else None
 
     def top(rows):
-        best = draft_log_probs(draft, rows).topk(top_k, dim=-1)
-        return best.values, draft.draft_to_target_ids(best.indices)
+        return draft_top_k(draft, rows, top_k)
 
     def level(kept_tokens, parent_features, depth_now, visible):
-        # Each node sees the cached prefix [0, stable) and, among the tree's entries [stable, stable + tree), its
-        # ancestors and itself (`visible`, one column per tree entry, gathered at each cache column).
-        tree = visible.shape[1]
-        offset = columns - stable
-        in_tree = (offset >= 0) & (offset < tree)
-        seen = visible.gather(1, offset.clamp(0, tree - 1)[None].expand(top_k, -1)) & in_tree
-        mask = (columns < stable)[None] | seen
+        # Each node sees the cached prefix [0, stable) and, among the tree's entries from `stable` on, its
+        # ancestors and itself (`visible`).
+        mask = (columns < stable)[None] | tree_columns(visible, columns, stable)
         positions = (stable - 2 + depth_now).expand(top_k)
         out = draft(
             input_ids=kept_tokens[None], hidden_states=parent_features[None], position_ids=positions[None],
@@ -183,17 +190,24 @@ def draft_round(draft: JakiroDraftModel, cache, tokens, features, count, root, d
     return flattened_tensors(*recorder.recorded(), total_tokens, depth + int(contrastive))
 
 
-_COMPILED_ROUNDS = {}
+_COMPILED = {}
+
+
+def compiled_whole(function, compile_config):
+    """`function` (a round function: `draft_round`, `static_verify.verify_round`) under torch.compile with the
+    target's `CompileConfig`, always whole (`fullgraph=True`) and with fixed shapes (`dynamic=False`): one graph per
+    tree size, none recompiled from round to round. One wrapper per function and config: dynamo keeps its graphs on
+    the function's code, so every generate call reuses them."""
+    options = {**compile_config.to_dict(), "fullgraph": True, "dynamic": False}
+    key = (function.__name__, repr(sorted(options.items())))
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(function, **options)
+    return _COMPILED[key]
 
 
 def compiled_draft_round(compile_config):
-    """`draft_round` under torch.compile with the target's `CompileConfig`, always whole (`fullgraph=True`) and with
-    fixed shapes (`dynamic=False`): one graph per tree size, none recompiled from round to round."""
-    options = {**compile_config.to_dict(), "fullgraph": True, "dynamic": False}
-    key = repr(sorted(options.items()))
-    if key not in _COMPILED_ROUNDS:
-        _COMPILED_ROUNDS[key] = torch.compile(draft_round, **options)
-    return _COMPILED_ROUNDS[key]
+    """`draft_round` compiled whole (`compiled_whole`)."""
+    return compiled_whole(draft_round, compile_config)
 
 
 class JakiroCandidateGenerator:
@@ -227,7 +241,7 @@ class JakiroCandidateGenerator:
         self._round = draft_round if round_fn is None else round_fn
         # The widest read a tree round makes: the most positions one round accepts (its deepest level or longest
         # lookup chain, plus the bonus token); what rounds without a draft forward left beyond it is read before
-        self.read_width = max(int(settings.depth) + int(settings.contrastive), int(settings.lookup_tokens)) + 1
+        self.read_width = settings.max_levels + 1
         self._pending: list[torch.Tensor] = []  # see `pending_features`
         # Seconds of this round's draft read spent on rows that rounds without a draft forward (or the prompt) left:
         # a cost of those earlier rounds, which the round controller does not charge to this round's choice.
@@ -288,38 +302,24 @@ class JakiroCandidateGenerator:
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
         return mask.masked_fill(~visible, torch.finfo(dtype).min)
 
-    def _read(self, next_tokens: torch.LongTensor, features: torch.Tensor, past: int, k: int):
-        """The draft reads the accepted positions [past, past + m) in one eager forward; returns (left, right, top-k
-        log-probs, top-k ids) of the last one, each with one row."""
-        contrastive = self.settings.contrastive
-        if not self.static or past == 0:  # the prompt (any length) runs eagerly: causal, no mask, last row kept
-            mask = None
-            if self.static and features.shape[0] == 1:
-                # Without a mask one query attends to every slot of the static cache, zeros included (causal
-                # attention, top-left aligned, covers several queries; one query gets no causal mask at all).
-                visible = torch.zeros(1, 1, 1, self.static_length, dtype=torch.bool, device=features.device)
-                visible[..., 0] = True
-                mask = self._visible_to_mask(visible)
-            out = self.draft(
-                input_ids=next_tokens[None], hidden_states=features[None], cache=self.cache, features_to_keep=1,
-                attention_mask=mask,
-            )
-            left = out.last_hidden_state[0]
-            right = out.contrastive_hidden_state[0] if contrastive else None
-            self._length = past + features.shape[0]
-            return (left, right, *self._draft_level(left, k))
-        # Over the static cache after the prompt: an explicit causal mask over its columns, positions from `past`.
-        positions = past + torch.arange(features.shape[0], device=features.device)
-        columns = torch.arange(self.static_length, device=features.device)
+    def _read(self, next_tokens: torch.LongTensor, features: torch.Tensor, past: int):
+        """The draft reads the accepted positions [past, past + m) in one eager forward; returns the left and right
+        outputs (right None without the contrastive level) of the last one, each with one row."""
+        mask = positions = None
+        if self.static and (past > 0 or features.shape[0] == 1):
+            # Over the static cache, an explicit causal mask over its columns: without one a single query attends to
+            # every slot, zeros included (the causal attention of several queries over an empty cache is right).
+            positions = past + torch.arange(features.shape[0], device=features.device)
+            columns = torch.arange(self.static_length, device=features.device)
+            mask = self._visible_to_mask((columns[None, :] <= positions[:, None])[None, None])
+            positions = positions[None]
         out = self.draft(
-            input_ids=next_tokens[None], hidden_states=features[None], position_ids=positions[None],
-            attention_mask=self._visible_to_mask((columns[None, :] <= positions[:, None])[None, None]),
+            input_ids=next_tokens[None], hidden_states=features[None], position_ids=positions, attention_mask=mask,
             cache=self.cache, features_to_keep=1,
         )
-        left = out.last_hidden_state[0]
-        right = out.contrastive_hidden_state[0] if contrastive else None
         self._length = past + features.shape[0]
-        return (left, right, *self._draft_level(left, k))
+        right = out.contrastive_hidden_state[0] if self.settings.contrastive else None
+        return out.last_hidden_state[0], right
 
     def _level(self, tokens, parent_features, position: int, stable: int, visible: torch.BoolTensor, k: int):
         """One tree level (the dynamic cache's; `draft_round` has the static one's): k nodes at `position`, seeing the
@@ -334,12 +334,8 @@ class JakiroCandidateGenerator:
         )
         left = out.last_hidden_state[0]
         right = out.contrastive_hidden_state[0] if self.settings.contrastive else None
-        return (left, right, *self._draft_level(left, k))
+        return (left, right, *draft_top_k(self.draft, left, k))
 
-    def _draft_level(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.LongTensor]:
-        """Top-k (log-probability, target token id) of the draft's next-token distribution for each feature row."""
-        top = draft_log_probs(self.draft, features).topk(k, dim=-1)
-        return top.values, self.draft.draft_to_target_ids(top.indices)
 
     def lookup_ready(self) -> bool:
         """Whether the n-gram lookup offers a chain this round (found once, kept for this round's `get_candidates`)."""
@@ -388,28 +384,25 @@ class JakiroCandidateGenerator:
         """The draft reads the accepted positions it has not read yet, then expands a tree EAGLE-2 style: `depth`
         levels of `k` kept nodes with `k` children each (and the contrastive level), flattened to the best
         `total_tokens` candidates."""
-        settings = self.settings
         past = self.cached_length()
         # The rows the last round accepted; the rest were left unread by earlier rounds (the first read: the prompt)
         newest = self._pending[-1].shape[0] if past > 0 else 1
         features = self.pending_features
         next_tokens = input_ids[0, past + 1 : past + 1 + features.shape[0]]
-        # left: [rows, hidden], rows of the last draft forward (the root: 1 row)
         if self.static:
             return self._static_round(input_ids[0, -1], next_tokens, features, past, total_tokens, depth, k)
         tic = time.perf_counter()
-        left, right, log_probs, tokens = self._read(next_tokens, features, past, k)
+        left, right = self._read(next_tokens, features, past)  # [1, hidden] each: the root's outputs
         self.catch_up_s = (time.perf_counter() - tic) * (1.0 - newest / features.shape[0])
         stable = past + features.shape[0]  # the root token was read at draft position stable - 1
 
         def level(kept_tokens, parent_features, level, visible):
-            left, right, log_probs, ids = self._level(kept_tokens, parent_features, stable - 2 + level, stable, visible, k)
-            return left, right if settings.contrastive else None, log_probs, ids
+            return self._level(kept_tokens, parent_features, stable - 2 + level, stable, visible, k)
 
         def top(features):
-            return self._draft_level(features, k)
+            return draft_top_k(self.draft, features, k)
 
-        recorder = expand_tree(input_ids[0, -1], left, right, log_probs, tokens, level, top, depth, k)
+        recorder = expand_tree(input_ids[0, -1], left, right, *top(left), level, top, depth, k)
         self.rewind(stable)
         return recorder.flatten(total_tokens)
 
@@ -421,7 +414,7 @@ class JakiroCandidateGenerator:
         extra = features.shape[0] - (1 if past == 0 else width)
         tic = time.perf_counter()
         if extra > 0:
-            self._read(next_tokens[:extra], features[:extra], past, k)
+            self._read(next_tokens[:extra], features[:extra], past)
             past, next_tokens, features = past + extra, next_tokens[extra:], features[extra:]
         self.catch_up_s = time.perf_counter() - tic
         rows = features.shape[0]

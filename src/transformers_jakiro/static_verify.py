@@ -7,7 +7,8 @@ import torch
 
 from . import verification
 from .features import TargetFeatures
-from .tree import DraftTree
+from .drafting import compiled_whole
+from .tree import DraftTree, tree_columns
 from .verification import VerifiedRound
 
 
@@ -20,19 +21,17 @@ def verify_round(target, cache, cache_arg: str, hidden: TargetFeatures, tokens, 
 
     The tree comes as its tensors (`DraftTree` fields, padded to the round's fixed size: `real` marks its real
     nodes; `from_lookup` the lookup's, or None without lookup). `padding` (a 0-dim device tensor, so that every
-    prompt shares one graph): the prompt's left padding, hidden from every node. `processors`: logits processors that ignore the ids (`logits.PREFIX_FREE_PROCESSORS`), applied to
-    every node at once. Returns, each padded to the path's width w = levels + 1: the host packet [2w + 1] (the path's
+    prompt shares one graph): the prompt's left padding, hidden from every node. `processors`: logits processors
+    that ignore the ids (`logits.PREFIX_FREE_PROCESSORS`), applied to every node at once. Returns, each padded to the path's width w = levels + 1: the host packet [2w + 1] (the path's
     nodes, -1 past its end; the round's tokens, i.e. the accepted draft tokens then the bonus; how many accepted
     nodes only the lookup proposed), the round's tokens [w], and the processed and raw logits and the features at
     the path's nodes ([w, vocab], [w, vocab], [w, width]).
     """
     layer = cache.layers[0]
-    n, device = tokens.shape[0], tokens.device
+    device = tokens.device
     past = layer.cumulative_length.clone()  # the tree is written from here on; the root's position is past - padding
     columns = torch.arange(layer.max_cache_len, device=device)
-    offset = columns - past
-    in_tree = ancestors.gather(1, offset.clamp(0, n - 1)[None].expand(n, -1)) & ((offset >= 0) & (offset < n))[None]
-    visible = ((columns >= padding) & (columns < past))[None] | in_tree
+    visible = ((columns >= padding) & (columns < past))[None] | tree_columns(ancestors, columns, past)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
     out = target(
         input_ids=tokens[None], position_ids=(depths + past - padding)[None], attention_mask=mask[None, None],
@@ -61,17 +60,9 @@ def verify_round(target, cache, cache_arg: str, hidden: TargetFeatures, tokens, 
     return packet, round_tokens, processed[nodes], raw[nodes], features[nodes]
 
 
-_COMPILED = {}
-
-
 def compiled_verify_round(compile_config):
-    """`verify_round` under torch.compile with the target's `CompileConfig`, whole (`fullgraph=True`) and with fixed
-    shapes (`dynamic=False`): one graph per tree size, none recompiled from round to round."""
-    options = {**compile_config.to_dict(), "fullgraph": True, "dynamic": False}
-    key = repr(sorted(options.items()))
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(verify_round, **options)
-    return _COMPILED[key]
+    """`verify_round` compiled whole (`drafting.compiled_whole`)."""
+    return compiled_whole(verify_round, compile_config)
 
 
 def verify_fixed_round(round_fn, target, cache, cache_arg: str, tree: DraftTree, padding, processors, do_sample,

@@ -150,6 +150,16 @@ class DraftTree:
         return out
 
 
+def tree_columns(visible: torch.BoolTensor, columns: torch.LongTensor, start) -> torch.BoolTensor:
+    """[q, len(columns)] bool: `visible` ([q, t]: which of a tree's t cached entries each query sees) laid over a
+    static cache's `columns`, the entries sitting at [start, start + t); False at every other column. `start` may be
+    a device value: no shape depends on it (what `draft_round` and `verify_round` build their masks from)."""
+    entries = visible.shape[1]
+    offset = columns - start
+    inside = (offset >= 0) & (offset < entries)
+    return visible.gather(1, offset.clamp(0, entries - 1)[None].expand(visible.shape[0], -1)) & inside
+
+
 def ancestor_matrix(parents: torch.LongTensor, max_depth: int) -> torch.BoolTensor:
     """ancestors[i, j] = j is i or one of its ancestors, for a parent array with -1 at the root (index 0).
 
@@ -307,4 +317,5 @@ class TreeRecorder:
         return torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores), torch.cat(self.depths)
 
 
-__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "flattened_tensors", "graft_chains", "ranking_scores"]
+__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "flattened_tensors", "graft_chains", "ranking_scores",
+           "tree_columns"]
