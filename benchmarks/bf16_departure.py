@@ -48,12 +48,12 @@ import torch
 import torch.nn.functional as F
 
 import transformers_jakiro  # noqa: F401  (installs the generate hook)
-from transformers_jakiro import decoding
+from transformers_jakiro.decoding import loop as decoding
 from transformers_jakiro.bench import load_draft
 from transformers_jakiro.demo import CODER_PROMPTS, PROMPTS, find_head
 from transformers_jakiro import tree_settings
 from transformers_jakiro.targets import load_target
-from transformers_jakiro.tree import DraftTree
+from transformers_jakiro.decoding.tree import DraftTree
 
 DEFAULT_PROMPTS = tuple(PROMPTS) + tuple(CODER_PROMPTS[:2])
 METHODS = ("jakiro", "jakiro_lookup", "prompt_lookup")
@@ -66,7 +66,7 @@ def encode(tokenizer, text):
 
 
 class RoundRecorder:
-    """Wraps `decoding.verify_tree` to keep each round's tree, cache length, accepted path and raw logits."""
+    """Wraps `loop.verify_tree` to keep each round's tree, cache length, accepted path and raw logits."""
 
     def __init__(self):
         self.rounds, self.prompt_length, self._original = [], 0, None

@@ -1,5 +1,5 @@
 """How much n-gram lookup would yield right after a *copying* position, against elsewhere (the round controller's
-context, `adaptive.py`).
+context, `decoding/round_controller.py`).
 
     .venv/bin/python benchmarks/lookup_copy_signal.py                       # SmolLM2 fp32, 4 prompts per suite
     .venv/bin/python benchmarks/lookup_copy_signal.py --target qwen2.5-coder-1.5b-instruct --dtype bfloat16
@@ -16,7 +16,7 @@ import statistics
 import torch
 
 from transformers_jakiro.bench.suites import encode, load_suite
-from transformers_jakiro.lookup import NgramIndex, continues
+from transformers_jakiro.decoding.lookup import NgramIndex, continues
 from transformers_jakiro.targets import load_target
 
 

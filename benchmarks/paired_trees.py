@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from transformers_jakiro.adaptive import RoundChoice
-from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
+from transformers_jakiro.decoding.round_controller import RoundChoice
+from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.features import TargetFeatures
-from transformers_jakiro.verification import accept, path_nodes
+from transformers_jakiro.decoding.verification import accept, path_nodes
 
 
 def accepted_depth(tree, continuation: torch.LongTensor) -> int:

@@ -108,6 +108,19 @@ def counting_calls(*modules):
             handle.remove()
 
 
+# Modules of the decoding subpackage under their names in trees from before it (`transformers_jakiro.drafting`)
+_OLD_NAMES = {"drafter": "drafting", "loop": "decoding"}
+
+
+def decoding_loop():
+    """The module of the decoding loop: `transformers_jakiro.decoding.loop`, or `transformers_jakiro.decoding` in
+    trees from before the `decoding/` subpackage (before/after runs import an older tree by PYTHONPATH)."""
+    import importlib
+
+    module = importlib.import_module("transformers_jakiro.decoding")
+    return importlib.import_module("transformers_jakiro.decoding.loop") if hasattr(module, "__path__") else module
+
+
 @contextlib.contextmanager
 def opaque_graphs(graph_calls: list, target):
     """Counting a compiled run: the functions that decoding compiles (`draft_round`, `verify_round`, the target's
@@ -118,7 +131,7 @@ def opaque_graphs(graph_calls: list, target):
 
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from transformers_jakiro import decoding
+    decoding = decoding_loop()
 
     def opaque(fn):
         def call(*args, **kwargs):
@@ -128,13 +141,15 @@ def opaque_graphs(graph_calls: list, target):
         return call
 
     # each compiled function decoding looks up, and the eager function it compiles (older trees: a draft step)
-    compiled = {"compiled_draft_round": ("drafting", "draft_round"), "compiled_draft_step": ("drafting", "draft_step"),
+    compiled = {"compiled_draft_round": ("drafter", "draft_round"), "compiled_draft_step": ("drafter", "draft_step"),
                 "compiled_verify_round": ("static_verify", "verify_round")}
     saved = {name: getattr(decoding, name) for name in compiled if hasattr(decoding, name)}
     target.get_compiled_call = lambda config: opaque(target.__call__)  # generate's own steps, verify_tree's forward
     for name in saved:
         module, function = compiled[name]
-        eager = getattr(importlib.import_module(f"transformers_jakiro.{module}"), function)
+        if decoding.__name__ == "transformers_jakiro.decoding":  # a tree from before the subpackage
+            module = _OLD_NAMES.get(module, module)
+        eager = getattr(importlib.import_module(f"{decoding.__package__}.{module}"), function)
         setattr(decoding, name, lambda config, eager=eager: opaque(eager))
     try:
         yield
@@ -265,8 +280,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.tree = tuple(int(x) for x in args.tree.split("/"))
     torch.set_num_threads(args.threads)
-    from transformers_jakiro import decoding
-
+    decoding = decoding_loop()
     lazy_leaf_head = decoding.lazy_leaf_head
     if not args.cpu_leaf_logits:  # count what runs on an accelerator, where leaf logits come from the forward
         decoding.lazy_leaf_head = lambda *_: None

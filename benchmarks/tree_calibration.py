@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from transformers_jakiro import tree as tree_module
+from transformers_jakiro.decoding import tree as tree_module
 from transformers_jakiro import tree_settings
 
 POWERS = [0.2 + 0.05 * i for i in range(57)]  # the grid the per-depth power is fitted on: 0.2 ... 3.0

@@ -9,8 +9,9 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 from test_sampling import NEW_TOKENS, WARPERS, chi_square_p_value, exact_distribution, small_target_and_draft
 from test_sampling import VOCAB as SMALL_VOCAB
 from tiny_models import ARCHS, VOCAB, make_tokenizer, trained_pairs
-from transformers_jakiro import adaptive, jakiro_generate, tree_settings
-from transformers_jakiro.decoding import jakiro_decode
+from transformers_jakiro import jakiro_generate, tree_settings
+from transformers_jakiro.decoding import round_controller
+from transformers_jakiro.decoding.loop import jakiro_decode
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_each_row_drafts_as_if_alone(pairs):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in (4, 13, 7, 2)]
     config = draft.config
-    tree = adaptive.batch_tree(config.total_tokens, config.depth, config.top_k, len(prompts))
+    tree = round_controller.batch_tree(config.total_tokens, config.depth, config.top_k, len(prompts))
     kwargs = dict(do_sample=False, max_new_tokens=48, min_new_tokens=48)
     with tree_settings(draft, adaptive=False):
         batched = target.generate(**left_padded(prompts), assistant_model=draft, **kwargs)

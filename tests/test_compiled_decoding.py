@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from tiny_models import make_target, quick_trained_draft, random_prompt
-from transformers_jakiro import drafting, tree_settings
+from transformers_jakiro import tree_settings
+from transformers_jakiro.decoding import drafter as drafting
 
 pytestmark = pytest.mark.compile
 

@@ -60,7 +60,7 @@ import torch
 
 from tiny_models import ARCHS, ROPE_KINDS, VOCAB, make_target, quick_trained_draft, random_prompt
 from transformers_jakiro import JakiroDraftModel, jakiro_generate, tree_settings
-from transformers_jakiro.rope import rope_limits
+from transformers_jakiro.decoding.rope import rope_limits
 
 CI_SEEDS = list(range(110))
 

@@ -17,8 +17,8 @@ from test_sampling import VOCAB as SAMPLING_VOCAB
 from test_sampling import chi_square_p_value, exact_distribution, sample_counts
 from tiny_models import VOCAB, make_target, quick_trained_draft, random_prompt
 from transformers_jakiro import jakiro_generate, tree_settings
-from transformers_jakiro.drafting import TreeSettings
-from transformers_jakiro.tree import TreeRecorder, flatten_tree
+from transformers_jakiro.decoding.drafter import TreeSettings
+from transformers_jakiro.decoding.tree import TreeRecorder, flatten_tree
 
 PATHOLOGIES = ("nan", "posinf", "neginf", "huge")
 

@@ -7,7 +7,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from tiny_models import VOCAB, make_target
 from transformers_jakiro import JakiroDraftModel
-from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
+from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings
 
 
 def test_not_a_transformers_candidate_generator():
@@ -112,7 +112,7 @@ def test_catch_up_reads_are_timed_apart_from_the_round():
     """The draft's read of positions that earlier rounds left unread (the prompt, or plain steps) is reported as
     `catch_up_s`, which the round controller leaves out of the round's cost; a tree round right after a tree round
     has none."""
-    from transformers_jakiro.adaptive import RoundChoice
+    from transformers_jakiro.decoding.round_controller import RoundChoice
 
     target = make_target("llama")
     draft = JakiroDraftModel.from_target(target).eval()

@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from tiny_models import make_tokenizer, trained_pairs
 from transformers_jakiro import JakiroDraftModel, jakiro_generate, tree_settings
-from transformers_jakiro.drafting import JakiroCandidateGenerator
+from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # repeats itself: n-gram lookup proposes chains
 

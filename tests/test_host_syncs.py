@@ -19,9 +19,10 @@ import torch
 
 from benchmark_scripts import load_script
 from tiny_models import make_target, quick_trained_draft
-from transformers_jakiro import decoding, tree_settings
-from transformers_jakiro.batch_drafting import BatchDrafter
-from transformers_jakiro.drafting import JakiroCandidateGenerator
+from transformers_jakiro import tree_settings
+from transformers_jakiro.decoding import loop as decoding
+from transformers_jakiro.decoding.batch_drafter import BatchDrafter
+from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator
 
 HostSyncCounter = load_script("round_cost.py", "round_cost").HostSyncCounter
 

@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from test_tree import brute_force_ancestors, recorded_trees
 from tiny_models import ARCHS, random_prompt, trained_pairs
 from transformers_jakiro import JakiroDraftModel, jakiro_generate, tree_settings
-from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
-from transformers_jakiro.lookup import NgramIndex
-from transformers_jakiro.tree import DraftTree, ancestor_matrix, graft_chains
+from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings
+from transformers_jakiro.decoding.lookup import NgramIndex
+from transformers_jakiro.decoding.tree import DraftTree, ancestor_matrix, graft_chains
 
 
 # -- the n-gram index -------------------------------------------------------------------------------------------------
@@ -303,17 +303,17 @@ def test_rounds_after_a_whole_chain_skip_the_draft(monkeypatch):
 def test_the_round_controller_sees_copy_runs(monkeypatch, tmp_path):
     """Rounds that follow one whose tokens continued the ready chain reach the controller as copying (one row, and a
     batch); the output stays exact."""
-    from transformers_jakiro import adaptive
+    from transformers_jakiro.decoding import round_controller
 
     monkeypatch.setenv("JAKIRO_ROUND_COSTS", str(tmp_path / "round_costs.json"))
     seen = []
-    choose = adaptive.RoundController.choose
+    choose = round_controller.RoundController.choose
 
     def spy(self, lookup_ready=True, copying=False):
         seen.append(copying)
         return choose(self, lookup_ready, copying)
 
-    monkeypatch.setattr(adaptive.RoundController, "choose", spy)
+    monkeypatch.setattr(round_controller.RoundController, "choose", spy)
     target = cycle_target(CYCLE)
     draft = JakiroDraftModel.from_target(target)
     prompts = torch.tensor([CYCLE + CYCLE[:5], CYCLE[3:] + CYCLE[:8]])  # the target copies the cycle from here on

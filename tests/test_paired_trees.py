@@ -8,7 +8,7 @@ import torch
 from benchmark_scripts import load_script
 from tiny_models import make_target, quick_trained_draft
 from transformers_jakiro import tree_settings
-from transformers_jakiro.adaptive import RoundChoice
+from transformers_jakiro.decoding.round_controller import RoundChoice
 
 
 @pytest.fixture(scope="module")

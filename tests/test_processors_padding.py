@@ -1,7 +1,7 @@
 """Every processor Jakiro decoding applies per tree node, checked with a left-padded prompt against plain generate.
 
 Processors may hold per-batch state that generate derives from the padding (`RepetitionPenaltyLogitsProcessor`'s
-`prompt_ignore_length` in transformers >= 5.24 is one entry per row); `logits.py` calls them with one row per tree
+`prompt_ignore_length` in transformers >= 5.24 is one entry per row); `decoding/logits.py` calls them with one row per tree
 node of a depth, so such state must be repeated per node. `CHECKED` names every row-wise processor of
 `logits.ROW_WISE_PROCESSORS`, with the generate arguments (or explicit instances) that bring it in; the coverage test
 fails when a processor joins that list without a case here.
@@ -14,7 +14,7 @@ from transformers.generation import logits_process as lp
 
 from tiny_models import VOCAB, trained_pairs
 from transformers_jakiro import jakiro_generate, tree_settings
-from transformers_jakiro.logits import ROW_WISE_PROCESSORS
+from transformers_jakiro.decoding.logits import ROW_WISE_PROCESSORS
 
 EOS = 2
 # name -> (generate kwargs, explicit processors); the explicit ones are warpers that greedy generate never builds

@@ -1,4 +1,4 @@
-"""Position-dependent RoPE (`rope.py`): targets whose frequencies depend on the largest position in a forward, with
+"""Position-dependent RoPE (`decoding/rope.py`): targets whose frequencies depend on the largest position in a forward, with
 the boundary inside the generated span. Greedy output equals plain generate token for token; sampled runs see
 exactly the logits plain generate computes along the same tokens; batches that could cross are refused by name."""
 
@@ -8,7 +8,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from tiny_models import ROPE_BOUNDARY, VOCAB, make_target, quick_trained_draft
 from transformers_jakiro import jakiro_generate, tree_settings
-from transformers_jakiro.rope import RopeBoundary, RopeLimits, deepest_level, rope_limits
+from transformers_jakiro.decoding.rope import RopeBoundary, RopeLimits, deepest_level, rope_limits
 
 
 def _follows_plain(target) -> bool:
@@ -68,8 +68,8 @@ def test_boundary_rules():
 
 
 def test_deepest_level_bounds_every_choice():
-    from transformers_jakiro.adaptive import RoundChoice
-    from transformers_jakiro.drafting import TreeSettings
+    from transformers_jakiro.decoding.round_controller import RoundChoice
+    from transformers_jakiro.decoding.drafter import TreeSettings
 
     settings = TreeSettings(total_tokens=20, depth=5, top_k=4, contrastive=True, lookup_tokens=8)
     assert deepest_level(RoundChoice("plain"), settings) == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiny_models import make_target, quick_trained_draft
-from transformers_jakiro import adaptive
+from transformers_jakiro.decoding import round_controller
 
 BAD_FILES = {
     "empty list": "[]",
@@ -62,14 +62,14 @@ def test_generate_never_fails_because_of_the_cost_file(pair, tmp_path, monkeypat
     target, draft = pair
     path = tmp_path / "round_costs.json"
     monkeypatch.setenv("JAKIRO_ROUND_COSTS", str(path))
-    key = adaptive.machine_key(target, "dynamic", 1)
+    key = round_controller.machine_key(target, "dynamic", 1)
     if name == "a directory":
         path.mkdir()
     else:
         _write(path, {**BAD_FILES, **BAD_ENTRIES}[name], key)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")  # Python's own default: each message once per place
-        assert all(isinstance(v, float) and v > 0 for v in adaptive.load_costs(key).values())
+        assert all(isinstance(v, float) and v > 0 for v in round_controller.load_costs(key).values())
         _generate_equals_plain(target, draft)
         _generate_equals_plain(target, draft)
     named = [w for w in caught if str(path) in str(w.message) and "round-cost cache" in str(w.message)]
@@ -84,16 +84,16 @@ def test_only_finite_positive_costs_are_kept(tmp_path, monkeypatch):
     path = tmp_path / "round_costs.json"
     monkeypatch.setenv("JAKIRO_ROUND_COSTS", str(path))
     path.write_text('{"k": {"plain": NaN, "lookup": 0.02, "tree 6/2/4": "x", "tree 60/5/10": 0}, "j": [1]}')
-    assert adaptive.load_costs("k") == {"lookup": 0.02}
-    adaptive.save_costs("k", {"plain": float("nan"), "tree 6/2/4": 0.05})
+    assert round_controller.load_costs("k") == {"lookup": 0.02}
+    round_controller.save_costs("k", {"plain": float("nan"), "tree 6/2/4": 0.05})
     assert json.loads(path.read_text()) == {"k": {"lookup": 0.02, "tree 6/2/4": 0.05}}
 
 
 WRITER = textwrap.dedent("""
     import sys
-    from transformers_jakiro import adaptive
+    from transformers_jakiro.decoding import round_controller
     for i in range(int(sys.argv[2])):
-        adaptive.save_costs(f"{sys.argv[1]}-{i}", {"plain": 0.01 + i * 1e-6})
+        round_controller.save_costs(f"{sys.argv[1]}-{i}", {"plain": 0.01 + i * 1e-6})
 """)
 
 

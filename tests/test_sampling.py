@@ -24,9 +24,10 @@ from transformers import (
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from tiny_models import quick_trained_draft
-from transformers_jakiro import tree_settings, verification
-from transformers_jakiro.decoding import jakiro_decode
-from transformers_jakiro.drafting import TreeSettings
+from transformers_jakiro import tree_settings
+from transformers_jakiro.decoding import verification
+from transformers_jakiro.decoding.loop import jakiro_decode
+from transformers_jakiro.decoding.drafter import TreeSettings
 
 VOCAB, NEW_TOKENS, SAMPLES = 8, 3, 10_000
 WRONG_RULE_SAMPLES = 1_500  # the bias of the wrong rule is large; fewer samples already reject it
@@ -171,7 +172,7 @@ def test_generate_entry_point_samples_the_same_distribution(target_and_draft, mo
     `verify_round`; "static-compiled" runs it and `draft_round` compiled (inductor's random numbers)."""
     from transformers import CompileConfig
 
-    from transformers_jakiro import decoding
+    from transformers_jakiro.decoding import loop as decoding
 
     compile_kwargs = {}
     if cache_implementation == "static-compiled":

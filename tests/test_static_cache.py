@@ -8,11 +8,12 @@ from transformers import StaticCache
 from transformers.cache_utils import DynamicCache
 
 from tiny_models import make_target, random_prompt, trained_pairs
-from transformers_jakiro import tree_settings, verification
-from transformers_jakiro.decoding import cache_kwarg
-from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
-from transformers_jakiro.kv_cache import keep_accepted, new_target_cache, truncate
-from transformers_jakiro.tree import DraftTree, ancestor_matrix
+from transformers_jakiro import tree_settings
+from transformers_jakiro.decoding import verification
+from transformers_jakiro.decoding.loop import cache_kwarg
+from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings
+from transformers_jakiro.decoding.kv_cache import keep_accepted, new_target_cache, truncate
+from transformers_jakiro.decoding.tree import DraftTree, ancestor_matrix
 
 # (total_tokens, depth, top_k, lookup_tokens): default-like, chain, one node, with n-gram lookup chains.
 TREES = [(20, 4, 4, 0), (6, 6, 1, 0), (1, 2, 3, 0), (12, 3, 3, 4)]

@@ -5,7 +5,7 @@ asked prefix by prefix."""
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from transformers_jakiro.target_inputs import _all_at_once, round_verdicts, stop_verdicts
+from transformers_jakiro.decoding.target_inputs import _all_at_once, round_verdicts, stop_verdicts
 
 
 def _prefix_by_prefix(criteria, sequence, start, count):

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformers_jakiro.tree import TreeRecorder, ancestor_matrix
+from transformers_jakiro.decoding.tree import TreeRecorder, ancestor_matrix
 
 
 @st.composite

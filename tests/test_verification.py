@@ -10,9 +10,9 @@ from transformers import (
 )
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
-from transformers_jakiro.logits import path_tokens, process_tree_logits
-from transformers_jakiro.tree import DraftTree, ancestor_matrix
-from transformers_jakiro.verification import accept, path_nodes, target_choices, verify
+from transformers_jakiro.decoding.logits import path_tokens, process_tree_logits
+from transformers_jakiro.decoding.tree import DraftTree, ancestor_matrix
+from transformers_jakiro.decoding.verification import accept, path_nodes, target_choices, verify
 
 
 def hand_tree():
@@ -140,9 +140,9 @@ def test_lazy_leaf_logits_give_the_same_verdict():
 def test_verify_tree_returns_a_named_round():
     """`verify_tree` on a real tiny target: the named result's fields agree with each other and with the cache."""
     from tiny_models import make_target, quick_trained_draft
-    from transformers_jakiro.decoding import VerifiedRound, cache_kwarg, verify_tree
-    from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings
-    from transformers_jakiro.kv_cache import new_target_cache
+    from transformers_jakiro.decoding.loop import VerifiedRound, cache_kwarg, verify_tree
+    from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings
+    from transformers_jakiro.decoding.kv_cache import new_target_cache
 
     target = make_target("llama")
     draft = quick_trained_draft(target, steps=100)

@@ -553,7 +553,7 @@ def _count_syncs_cuda(target, draft, prompt, generate_kwargs: dict) -> tuple[lis
 
     import torch
 
-    from transformers_jakiro.drafting import JakiroCandidateGenerator
+    from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator
 
     marks = []
     caught = []
@@ -586,8 +586,8 @@ def _count_syncs_counted(target, draft, prompt, generate_kwargs: dict):
     tests/test_host_syncs.py holds), along the accelerator path (full logits, no lazy leaf head)."""
     import importlib.util
 
-    from transformers_jakiro import decoding
-    from transformers_jakiro.drafting import JakiroCandidateGenerator
+    from transformers_jakiro.decoding import loop as decoding
+    from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator
 
     spec = importlib.util.spec_from_file_location("round_cost", HERE.parent / "round_cost.py")
     round_cost = importlib.util.module_from_spec(spec)
@@ -652,7 +652,7 @@ def _round_setup(config):
     import torch
 
     import round_cost
-    from transformers_jakiro.drafting import TreeSettings
+    from transformers_jakiro.decoding.drafter import TreeSettings
 
     device = torch.device(config["device"])
     started = time.perf_counter()

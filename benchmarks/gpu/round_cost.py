@@ -40,15 +40,15 @@ import transformers
 from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig, LogitsProcessorList
 
 from transformers_jakiro import JakiroDraftModel
-from transformers_jakiro.adaptive import batch_tree
-from transformers_jakiro.batch_drafting import BatchDrafter
-from transformers_jakiro.batching import BatchVerifier
-from transformers_jakiro.decoding import verify_tree
-from transformers_jakiro.static_verify import compiled_verify_round, verify_fixed_round
-from transformers_jakiro.target_inputs import cache_kwarg
-from transformers_jakiro.drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_round
-from transformers_jakiro.kv_cache import new_target_cache, truncate
-from transformers_jakiro.tree import DraftTree
+from transformers_jakiro.decoding.round_controller import batch_tree
+from transformers_jakiro.decoding.batch_drafter import BatchDrafter
+from transformers_jakiro.decoding.batch_loop import BatchVerifier
+from transformers_jakiro.decoding.loop import verify_tree
+from transformers_jakiro.decoding.static_verify import compiled_verify_round, verify_fixed_round
+from transformers_jakiro.decoding.target_inputs import cache_kwarg
+from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings, compiled_draft_round
+from transformers_jakiro.decoding.kv_cache import new_target_cache, truncate
+from transformers_jakiro.decoding.tree import DraftTree
 
 SHAPES = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -163,7 +163,7 @@ def measure_round_eager(target, draft, settings: TreeSettings, prompt, repeats: 
 @torch.no_grad()
 def measure_batch_round_eager(target, draft, settings: TreeSettings, prompt, repeats: int, warmup: int) -> dict:
     """One round of `generate(**batch, assistant_model=draft)` at a fixed context: every row's tree at the batch's tree
-    size (`adaptive.batch_tree`), drafted together (`BatchDrafter`), verified in one forward with the cache compacted
+    size (`round_controller.batch_tree`), drafted together (`BatchDrafter`), verified in one forward with the cache compacted
     (`BatchVerifier`), against which `measure_plain_eager` on the same [batch, context] prompt is the plain step."""
     batch, context = prompt.shape
     device = prompt.device

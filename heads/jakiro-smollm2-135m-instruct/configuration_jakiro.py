@@ -39,7 +39,7 @@ class JakiroConfig(PreTrainedConfig):
     continuations added per round).
 
     Round control: `adaptive` (True: every round the decoder chooses between a plain step, lookup alone, a smaller
-    tree and the tree above by measured tokens per second, `adaptive.py`; False: this tree every round).
+    tree and the tree above by measured tokens per second, `decoding/round_controller.py`; False: this tree every round).
     """
 
     model_type = "jakiro"

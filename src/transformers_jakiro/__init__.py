@@ -8,8 +8,8 @@ Importing the package registers model_type "jakiro" with AutoConfig/AutoModel an
 from transformers import AutoConfig, AutoModel
 
 from .configuration_jakiro import JakiroConfig
-from .decoding import jakiro_generate
-from .drafting import JakiroCandidateGenerator
+from .decoding.loop import jakiro_generate
+from .decoding.drafter import JakiroCandidateGenerator
 from .generation import install_generate_hook, tree_settings
 from .stats import JakiroGenerationStats
 from .modeling_jakiro import JakiroDraftModel, JakiroDraftOutput

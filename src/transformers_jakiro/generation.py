@@ -1,13 +1,13 @@
 """Jakiro tree speculative decoding inside `target.generate`: the transformers integration.
 
-Two entry points run the same loop (`decoding.jakiro_decode`):
+Two entry points run the same loop (`loop.jakiro_decode`):
   * `target.generate(**inputs, assistant_model=draft)`: importing the package wraps
     `GenerationMixin._assisted_decoding` so that a Jakiro draft takes the tree path; any other assistant (a small
     LM, prompt lookup) goes to the stock implementation untouched.
   * `target.generate(**inputs, custom_generate=jakiro_generate, draft=draft, total_tokens=...)`: the public
     `custom_generate` hook, with per-call tree settings as keyword arguments.
 
-The parts live in their own modules: `drafting.py` (tree settings, the candidate generator), `decoding.py` (one
+The parts live in their own modules: `decoding/drafter.py` (tree settings, the candidate generator), `decoding/loop.py` (one
 verification round, the loop, `jakiro_generate`). This module keeps the patch of transformers and the per-call tree
 settings.
 """
@@ -17,8 +17,8 @@ import inspect
 
 from transformers.generation.utils import GenerationMixin
 
-from .decoding import jakiro_decode, refuse_synced_gpus
-from .drafting import TreeSettings
+from .decoding.loop import jakiro_decode, refuse_synced_gpus
+from .decoding.drafter import TreeSettings
 from .modeling_jakiro import JakiroDraftModel
 
 

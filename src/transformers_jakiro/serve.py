@@ -192,7 +192,7 @@ def _log_to_stderr() -> None:
 def serve_generate(model, settings: dict, *args, **kwargs):
     """What the server's `model.generate(...)` runs in a prepared repository: the target's own `generate` with the
     Jakiro draft (`custom_generate=jakiro_generate`), and one log line with the request's statistics."""
-    from .decoding import jakiro_generate
+    from .decoding.loop import jakiro_generate
 
     _log_to_stderr()
     draft = draft_for(model, settings)

@@ -25,7 +25,7 @@ class JakiroGenerationStats:
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
     # what each round verified, parallel to accepted_lengths: "prefill", then "plain", "lookup" or "tree T/D/K"
-    # (`adaptive.RoundChoice.name`; the round controller's choice, or the pinned tree)
+    # (`round_controller.RoundChoice.name`; the round controller's choice, or the pinned tree)
     choices: list[str] = field(default_factory=list)
     # A batch (B > 1): the whole batch's rounds above (a round's accepted length is every row's tokens together:
     # tokens per target forward), and each row's own stats here, in the caller's row order; None for one sequence.

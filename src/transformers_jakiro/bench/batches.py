@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..adaptive import batch_tree
-from ..drafting import TreeSettings
+from ..decoding.round_controller import batch_tree
+from ..decoding.drafter import TreeSettings
 from ..generation import tree_settings
 from .measure import LOOKUP_TOKENS, _sampling_kwargs
 from .run import machine_info

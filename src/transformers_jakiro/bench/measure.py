@@ -16,7 +16,7 @@ from ..stats import acceptance_profile
 METHODS = ("plain", "jakiro", "jakiro_lookup", "jakiro_fixed", "jakiro_lookup_fixed", "eagle2", "assisted",
            "prompt_lookup")
 # jakiro and eagle2 run the draft tree alone (n-gram lookup off); jakiro_lookup adds lookup chains (hybrid tree).
-# jakiro and jakiro_lookup let the round controller choose every round (adaptive.py, the default); the _fixed
+# jakiro and jakiro_lookup let the round controller choose every round (decoding/round_controller.py, the default); the _fixed
 # variants and eagle2 (an ablation of the tree itself) verify the configured tree every round.
 TREE_METHODS = ("jakiro", "jakiro_lookup", "jakiro_fixed", "jakiro_lookup_fixed", "eagle2")
 ADAPTIVE_METHODS = ("jakiro", "jakiro_lookup")

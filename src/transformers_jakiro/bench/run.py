@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..drafting import TreeSettings
+from ..decoding.drafter import TreeSettings
 from .measure import (
     METHODS,
     PROMPT_LOOKUP_NUM_TOKENS,

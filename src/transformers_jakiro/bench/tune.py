@@ -12,13 +12,13 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import LogitsProcessorList
 
-from ..decoding import lazy_leaf_head, verify_tree
-from ..target_inputs import cache_kwarg
-from ..drafting import JakiroCandidateGenerator, TreeSettings
+from ..decoding.loop import lazy_leaf_head, verify_tree
+from ..decoding.target_inputs import cache_kwarg
+from ..decoding.drafter import JakiroCandidateGenerator, TreeSettings
 from ..features import TargetFeatures
-from ..kv_cache import new_target_cache, truncate
+from ..decoding.kv_cache import new_target_cache, truncate
 from ..stats import acceptance_profile
-from ..tree import DraftTree
+from ..decoding.tree import DraftTree
 from .measure import _sampling_kwargs, _sync, generate_once
 from .suites import encode
 

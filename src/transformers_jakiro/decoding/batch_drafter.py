@@ -1,6 +1,6 @@
 """Drafting for a batch: one Jakiro tree per row, every draft forward run for all rows at once.
 
-The batched counterpart of `drafting.JakiroCandidateGenerator` (read that first: the tree is built the same way, row
+The batched counterpart of `drafter.JakiroCandidateGenerator` (read that first: the tree is built the same way, row
 by row). What differs is the draft's KV cache, shared by the rows, whose rows accept different numbers of tokens:
 
   * The cache grows by the same number of entries for every row; a row that has fewer new positions than another
@@ -20,11 +20,11 @@ import time
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .adaptive import RoundChoice
-from .drafting import TreeSettings, draft_top_k
+from .round_controller import RoundChoice
+from .drafter import TreeSettings, draft_top_k
 from .kv_cache import drop_hole_columns, select_rows, truncate
 from .lookup import NgramIndex, continues
-from .modeling_jakiro import JakiroDraftModel
+from ..modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree, flatten_tree, graft_chains
 
 
@@ -94,7 +94,7 @@ class BatchDrafter:
         return 2 * sum(self.copied) >= len(self.copied) > 0
 
     def propose(self, roots: torch.LongTensor, choice: RoundChoice | None = None) -> tuple[list[DraftTree], str]:
-        """This round's trees, one per row, and the choice's name (`adaptive.RoundChoice.name`): the tree of the
+        """This round's trees, one per row, and the choice's name (`round_controller.RoundChoice.name`): the tree of the
         choice's size (without a choice, the settings' tree) with each row's lookup chains grafted, lookup chains
         alone (whole chains, as prompt lookup proposes them; a row without a chain verifies its root alone), or the
         roots alone (a plain batched step). Rounds without a draft forward leave the queued positions for later."""

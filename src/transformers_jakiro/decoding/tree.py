@@ -223,7 +223,7 @@ def flatten_tree(
 
 def flattened_tensors(tokens, parents, scores, depths, total_tokens: int, levels: int):
     """`flatten_tree`'s work as tensors in, tensors out (tokens, parents, depths, ancestors, scores of the kept
-    nodes), for code compiled whole (`drafting.draft_round`): fixed shapes, no host reads."""
+    nodes), for code compiled whole (`drafter.draft_round`): fixed shapes, no host reads."""
     scores = ranking_scores(scores, parents, levels)
     order = best_candidates(scores, total_tokens)
     nodes = torch.cat([order.new_zeros(1), torch.sort(order).values])  # recorded order is breadth-first

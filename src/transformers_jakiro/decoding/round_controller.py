@@ -1,42 +1,19 @@
-"""The round controller: every round, choose what the target verifies so that new tokens per second are highest.
+"""The round controller: each round, the one place that decides what the target verifies.
 
-A round can verify
-  * `plain`:  the last accepted token alone (one target step, no draft forward): exactly 1 new token;
-  * `lookup`: n-gram lookup chains alone (no draft forward), when the context offers one;
-  * `tree T/D/K`: a draft tree (the configured one, or a smaller one), with lookup chains grafted when lookup is on.
-Which pays depends on the machine, the dtype, the text and the position in it, so the choice is learned while
-decoding. The rule:
+A round verifies a `plain` step (the root alone), `lookup` chains alone, or a `tree T/D/K` (the configured tree or a
+smaller one, lookup chains grafted when lookup is on). `RoundController` picks the largest
 
-    expected tokens of a tree:    1 + shape x draftability (+ the chain tokens, when a lookup chain is ready).
-                                  shape: the tree's draft tokens per round at draftability 1; the configured tree's
-                                  is learned between calls, a smaller tree's from its own rounds (aged by
-                                  SHAPE_DISCOUNT) and capped by every larger tree's; before it is measured, a tree is
-                                  placed by `prior_tokens`. draftability: the text's, measured by the configured
-                                  tree's recent rounds only (discounted by DISCOUNT per round of any kind, prior 1
-                                  worth DRAFTABILITY_PRIOR_ROUNDS rounds). chain tokens: accepted tokens only the
-                                  grafted chains proposed, a discounted mean shared by every tree;
-    expected tokens of lookup:    a discounted mean of its past rounds' tokens plus a prior worth PRIOR_ROUNDS rounds
-                                  (the draft's mean from earlier calls, else `prior_tokens`); a plain step adds 1;
-    contexts:                     draftability, chain tokens and lookup's yield are kept apart after a *copying* round
-                                  (one whose tokens continued the chain ready at its start, `lookup.continues`);
-    cost of a choice:             a discounted mean of its measured round times (aged by its own rounds only), with
-                                  the time cached for this target shape, dtype, device, cache kind, batch size and
-                                  threads (`$JAKIRO_CACHE/round_costs.json`, finite positive entries only) as a prior
-                                  worth PRIOR_ROUNDS rounds;
-    choice:                       the largest (expected tokens + bonus) / cost, bonus = EXPLORATION / (1 + the
-                                  choice's recent weight)^2 (none for a plain step). Choices without a cost are tried
-                                  first, in the order of `choices_for`; a choice not tried for STALE_ROUNDS rounds is
-                                  tried once more and its new time replaces the old; one still behind then waits
-                                  twice as long (up to MAX_STALE_ROUNDS).
+    (expected tokens + exploration bonus) / expected seconds,
 
-Yields, waits and the rounds since each choice was tried are remembered on the draft between generate calls, apart
-for greedy decoding and sampling. A round's time leaves out the draft's catch-up read of positions that earlier rounds
-without a draft forward left unread (`catch_up_s`); it is charged to the last such round's choice instead.
+expected tokens of a tree = 1 + shape x draftability (+ the tokens grafted chains add), of lookup and of a plain step
+their discounted past yields; seconds = each choice's discounted round times, with times cached per machine
+(`$JAKIRO_CACHE/round_costs.json`) as a prior. Untried and stale choices are tried first; yields are kept apart after
+a copying round (`lookup.continues`). `PinnedController` (`adaptive=False`) verifies the configured tree every round,
+and lookup chains alone after a round that accepted its whole chain, as prompt lookup decoding does.
 
-Exactness does not depend on the choice: every round is verified by the same rule, and the choice reads only past
-rounds (their tokens and times), never the round's own random draws, so sampling keeps the target's distribution.
-Everything here is host bookkeeping: no tensor, no device sync. Why the rule has this shape (what each earlier version
-got wrong, with numbers): docs/experiments/round-controller.md, runs RC-1 to RC-8.
+Exactness never depends on the choice: every round is verified by the same rule, and a choice reads past rounds only,
+never the round's own random draws. Host bookkeeping only: no tensor, no device sync. Why the rule has this shape and
+what each earlier version got wrong: docs/experiments/round-controller.md, runs RC-1 to RC-8.
 """
 
 import contextlib

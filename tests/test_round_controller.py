@@ -10,9 +10,10 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
 from test_sampling import PROMPT, chi_square_p_value, exact_distribution, sample_counts
 from tiny_models import ARCHS, random_prompt, trained_pairs
-from transformers_jakiro import adaptive, jakiro_generate, tree_settings
-from transformers_jakiro.adaptive import RoundChoice, RoundController, choices_for
-from transformers_jakiro.drafting import TreeSettings
+from transformers_jakiro import jakiro_generate, tree_settings
+from transformers_jakiro.decoding import round_controller
+from transformers_jakiro.decoding.round_controller import RoundChoice, RoundController, choices_for
+from transformers_jakiro.decoding.drafter import TreeSettings
 
 FULL, SMALL = RoundChoice("tree", 24, 4, 6), RoundChoice("tree", 8, 2, 4)
 LOOKUP, PLAIN = RoundChoice("lookup"), RoundChoice("plain")
@@ -88,15 +89,15 @@ def test_choices_that_keep_losing_are_re_measured_ever_more_rarely():
                                  token_priors={FULL.name: 1.05, SMALL.name: 1.02})
     counts, rate = simulate(controller, lambda c: losing[c.name], rounds=2000)
     assert counts[PLAIN.name] >= 0.99 * 2000 and rate >= 0.99
-    assert controller.stale_after[FULL.name] >= 8 * adaptive.STALE_ROUNDS
+    assert controller.stale_after[FULL.name] >= 8 * round_controller.STALE_ROUNDS
     draft = type("Draft", (), {})()
-    adaptive.remember(controller, draft)
+    round_controller.remember(controller, draft)
     assert draft._jakiro_round_memory["greedy"]["stale_after"] == controller.stale_after
     # ... and a choice that wins once re-measured goes back to the usual wait.
     controller.record(FULL, 1.05, 2.0)
     controller._remeasure = FULL.name
     controller.record(FULL, 4.0, 0.5)
-    assert controller.stale_after[FULL.name] == adaptive.STALE_ROUNDS
+    assert controller.stale_after[FULL.name] == round_controller.STALE_ROUNDS
 
 
 def test_rounds_since_a_choice_was_tried_carry_over_between_calls():
@@ -111,7 +112,7 @@ def test_rounds_since_a_choice_was_tried_carry_over_between_calls():
                                      since_tried=dict(known.get("since_tried", {})))
         counts, _ = simulate(controller, lambda c: (4, 1.2) if c.kind == "tree" else (1, 1.0), rounds=20)
         tried.append(counts.get(FULL.name, 0))
-        adaptive.remember(controller, draft)
+        round_controller.remember(controller, draft)
         costs = controller.learned_costs()
     assert tried[:2] == [0, 0] and sum(tried[2:4]) > 0  # re-measured in the call where 60 rounds are reached
     assert tried[4] >= 15  # measured, it wins: 4 tokens in 1.2 s against 1 in 1.0 s
@@ -145,9 +146,9 @@ def test_a_smaller_tree_is_not_expected_to_add_more_than_a_larger_one():
 def test_an_unmeasured_tree_is_placed_relative_to_the_measured_one():
     known = RoundController([FULL, SMALL], token_priors={FULL.name: 4.0})  # 3 draft tokens per round remembered
     guess = RoundController([FULL, SMALL])
-    ratio = (adaptive.prior_tokens(SMALL) - 1) / (adaptive.prior_tokens(FULL) - 1)
+    ratio = (round_controller.prior_tokens(SMALL) - 1) / (round_controller.prior_tokens(FULL) - 1)
     assert known.shape(SMALL) == pytest.approx(3.0 * ratio)
-    assert guess.shape(SMALL) == pytest.approx(adaptive.prior_tokens(SMALL) - 1)
+    assert guess.shape(SMALL) == pytest.approx(round_controller.prior_tokens(SMALL) - 1)
 
 
 def test_lookup_chain_tokens_count_for_every_tree_when_a_chain_is_ready():
@@ -186,13 +187,13 @@ def test_the_configured_tree_shape_is_learned_between_calls():
         for _ in range(30):
             controller.choose(False)
             controller.record(FULL, 4.0, 1.0)
-        adaptive.remember(controller, draft)
+        round_controller.remember(controller, draft)
     assert prior == pytest.approx(4.0, abs=0.3)
 
 
 def test_batch_lookup_chains_share_the_budget_as_the_tree_does():
-    assert [adaptive.batch_lookup_tokens(10, b) for b in (1, 2, 3, 4, 8, 32)] == [10, 5, 3, 2, 1, 1]
-    assert adaptive.batch_lookup_tokens(0, 8) == 0  # lookup off stays off
+    assert [round_controller.batch_lookup_tokens(10, b) for b in (1, 2, 3, 4, 8, 32)] == [10, 5, 3, 2, 1, 1]
+    assert round_controller.batch_lookup_tokens(0, 8) == 0  # lookup off stays off
 
 
 def test_lookup_is_chosen_only_when_a_chain_is_ready():
@@ -226,7 +227,7 @@ def test_copy_runs_are_told_apart_from_the_rest_of_the_text():
 
 
 def test_continues_compares_a_round_with_the_chain_ready_at_its_start():
-    from transformers_jakiro.lookup import continues
+    from transformers_jakiro.decoding.lookup import continues
 
     assert continues([5, 6, 7], [5]) and continues([5, 6, 7], [5, 6, 7, 9]) and continues([5], [5, 8])
     assert not continues([5, 6, 7], [5, 8]) and not continues([], [5]) and not continues([6], [5])
@@ -244,15 +245,15 @@ def test_priors_from_earlier_calls_skip_the_first_measurements():
 def test_costs_are_cached_on_disk_per_machine_key(tmp_path, monkeypatch):
     monkeypatch.delenv("JAKIRO_ROUND_COSTS")
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
-    assert adaptive.load_costs("k") == {}
-    adaptive.save_costs("k", {FULL.name: 0.02})
-    adaptive.save_costs("k", {PLAIN.name: 0.01})
-    adaptive.save_costs("other", {PLAIN.name: 0.5})
-    assert adaptive.load_costs("k") == {FULL.name: 0.02, PLAIN.name: 0.01}
+    assert round_controller.load_costs("k") == {}
+    round_controller.save_costs("k", {FULL.name: 0.02})
+    round_controller.save_costs("k", {PLAIN.name: 0.01})
+    round_controller.save_costs("other", {PLAIN.name: 0.5})
+    assert round_controller.load_costs("k") == {FULL.name: 0.02, PLAIN.name: 0.01}
     (tmp_path / "round_costs.json").write_text("{not json")
     with pytest.warns(RuntimeWarning, match="round_costs.json is not valid JSON"):
-        assert adaptive.load_costs("k") == {}  # a damaged cache only costs the next call its first measurements
-    adaptive.save_costs("k", {PLAIN.name: 0.01})
+        assert round_controller.load_costs("k") == {}  # a damaged cache only costs the next call its first measurements
+    round_controller.save_costs("k", {PLAIN.name: 0.01})
     assert json.loads((tmp_path / "round_costs.json").read_text()) == {"k": {PLAIN.name: 0.01}}
 
 

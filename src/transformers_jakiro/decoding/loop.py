@@ -1,6 +1,6 @@
 """The Jakiro decoding loop: prefill, then draft-verify rounds until a stopping criterion fires.
 
-One round: the draft expands a token tree (`drafting.JakiroCandidateGenerator`); the target verifies the whole tree
+One round: the draft expands a token tree (`drafter.JakiroCandidateGenerator`); the target verifies the whole tree
 in one forward with a tree attention mask (`verify_tree`); the acceptance rule (`verification.verify`) keeps the
 longest path that agrees with the target plus one bonus token; both caches are cut back to the accepted path.
 
@@ -15,17 +15,17 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from . import adaptive, verification
+from . import round_controller, verification
 from .static_verify import compiled_verify_round, verify_fixed_round, verify_round
-from .adaptive import RoundChoice
-from .batching import batch_decode
-from .drafting import JakiroCandidateGenerator, TreeSettings, compiled_draft_round, draft_round
-from .features import TargetFeatures
+from .round_controller import RoundChoice
+from .batch_loop import batch_decode
+from .drafter import JakiroCandidateGenerator, TreeSettings, compiled_draft_round, draft_round
+from ..features import TargetFeatures
 from .kv_cache import is_static, keep_accepted, static_length, truncate
 from .logits import PREFIX_FREE_PROCESSORS, process_tree_logits
-from .modeling_jakiro import JakiroDraftModel
+from ..modeling_jakiro import JakiroDraftModel
 from .rope import deepest_level, rope_limits
-from .stats import JakiroGenerationStats
+from ..stats import JakiroGenerationStats
 from .target_inputs import (
     cache_kwarg,
     check_generation_mode,
@@ -252,7 +252,7 @@ def jakiro_decode(
     **model_kwargs,
 ):
     """The decoding loop; `generate` has already prepared processors, stopping criteria and the config. A batch of
-    several rows goes to `batching.batch_decode`."""
+    several rows goes to `batch_loop.batch_decode`."""
     check_supported(target, draft, input_ids, logits_processor, model_kwargs, generation_config)
     if input_ids.shape[0] > 1:
         return batch_decode(
@@ -335,7 +335,7 @@ def jakiro_decode(
     stats.verify_time_s += time.perf_counter() - tic
     finished = emit(first, first.tolist(), processed, raw)
 
-    controller = adaptive.controller_for(target, draft, settings, static, fixed_shape, do_sample=do_sample)
+    controller = round_controller.controller_for(target, draft, settings, static, fixed_shape, do_sample=do_sample)
     while not finished:
         tic = round_started = time.perf_counter()
         choice = None if controller is None else controller.choose(candidates.lookup_ready(), candidates.copying)
@@ -359,7 +359,7 @@ def jakiro_decode(
             continue
         tree = candidates.get_candidates(sequence[:, padding:], choice).to_device(target_device)
         if fixed_shape:
-            tree = tree.padded(adaptive.padded_size(choice, settings))
+            tree = tree.padded(round_controller.padded_size(choice, settings))
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
@@ -394,7 +394,7 @@ def jakiro_decode(
 
     truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
     if controller is not None:
-        adaptive.remember(controller, draft)
+        round_controller.remember(controller, draft)
     if streamer is not None:
         streamer.end()
     stats.total_time_s = time.perf_counter() - started

@@ -1,13 +1,13 @@
 """The verification round over a static cache as one fixed-shape function, `verify_round`, compiled whole beside the
-draft's `drafting.draft_round`: with both, a round is two graph calls and one host read (docs/design.md, section 2,
-"Fixed shapes"). The dynamic-cache round, with data-dependent shapes, is `decoding.verify_tree`.
+draft's `drafter.draft_round`: with both, a round is two graph calls and one host read (docs/design.md, section 2,
+"Fixed shapes"). The dynamic-cache round, with data-dependent shapes, is `loop.verify_tree`.
 """
 
 import torch
 
 from . import verification
-from .features import TargetFeatures
-from .drafting import compiled_whole
+from ..features import TargetFeatures
+from .drafter import compiled_whole
 from .tree import DraftTree, tree_columns
 from .verification import VerifiedRound
 
@@ -61,7 +61,7 @@ def verify_round(target, cache, cache_arg: str, hidden: TargetFeatures, tokens, 
 
 
 def compiled_verify_round(compile_config):
-    """`verify_round` compiled whole (`drafting.compiled_whole`)."""
+    """`verify_round` compiled whole (`drafter.compiled_whole`)."""
     return compiled_whole(verify_round, compile_config)
 
 

@@ -2,7 +2,7 @@
 
 The draft (its KV cache kept across rounds) reads the newly accepted tokens with their target hidden states and
 expands a token tree EAGLE-2 style, the last level from the contrastive (two-ahead) head. The decoding loop that
-verifies the tree lives in `decoding.py`.
+verifies the tree lives in `decoding/loop.py`.
 """
 
 import time
@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from .adaptive import RoundChoice
+from .round_controller import RoundChoice
 from .kv_cache import new_draft_cache, truncate
 from .lookup import NgramIndex, continues
-from .modeling_jakiro import JakiroDraftModel
+from ..modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree, TreeRecorder, flattened_tensors, graft_chains, tree_columns
 
 
@@ -28,7 +28,7 @@ class TreeSettings:
     total_tokens). lookup_max_ngram: longest suffix n-gram matched. lookup_chains: distinct chains per round.
     fixed_shape: pad every round's tree to `max_nodes` with never-accepted dummy nodes, so that every verification
     forward has one shape (one compiled graph serves them all); None: on exactly when the target's cache is static.
-    adaptive: let `adaptive.RoundController` choose every round between a plain step, lookup alone, a smaller tree
+    adaptive: let `round_controller.RoundController` choose every round between a plain step, lookup alone, a smaller tree
     and this tree, by measured tokens per second; False pins this tree for every round."""
 
     total_tokens: int
@@ -215,7 +215,7 @@ class JakiroCandidateGenerator:
 
     Not a transformers `CandidateGenerator`, on purpose: that contract returns one linear chain of candidate ids (and
     their logits) for `_assisted_decoding` to verify, and a token tree cannot be expressed that way; the tree goes to
-    `decoding.verify_tree` instead, and transformers' assisted loop never sees this class.
+    `loop.verify_tree` instead, and transformers' assisted loop never sees this class.
 
     The draft's KV cache holds the accepted context: draft position t has read (f_t, x_{t+1}), the target's hidden
     state at t and the next token. `set_features` hands over the target hidden states of newly accepted positions;
@@ -350,7 +350,7 @@ class JakiroCandidateGenerator:
     def get_candidates(self, input_ids: torch.LongTensor, choice: RoundChoice | None = None) -> DraftTree:
         """The tree to verify this round, rooted at `input_ids[0, -1]` (the last accepted token; [1, length]).
 
-        `choice` (from `adaptive.RoundController`): a plain step (the root alone), lookup chains alone, or a draft tree
+        `choice` (from `round_controller.RoundController`): a plain step (the root alone), lookup chains alone, or a draft tree
         of the choice's size with any lookup chains grafted. Without a choice, the configured tree, and lookup-only
         rounds while the text copies an earlier passage (the last chain was accepted whole), as in prompt lookup
         decoding. Rounds without a draft forward leave the accepted tokens' features in `pending_features`; the

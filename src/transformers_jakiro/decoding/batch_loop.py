@@ -1,6 +1,6 @@
 """Batches: tree speculative decoding of B > 1 rows in one `generate` call, every row exactly as if decoded alone.
 
-Each row drafts its own tree (`batch_drafting.BatchDrafter`: one draft forward per level for all rows), the target
+Each row drafts its own tree (`batch_drafter.BatchDrafter`: one draft forward per level for all rows), the target
 verifies every row's tree in one forward (trees padded to one size with never-accepted dummy nodes, per-row 4D tree
 masks and positions), and each row accepts its own path by the one-row rule (`verification.verify`, with the logits
 processors and stopping criteria applied to the row's own sequence, left padding included, as plain generate does).
@@ -15,9 +15,9 @@ grows with the context), the holes' share of attention (sum of M - m_r over roun
 strings, max length) leave the batch at once (their cache rows are dropped, and columns that became holes in every
 row with them); the output pads them with `pad_token_id`, as plain generate does.
 
-Per batch round one choice (`adaptive.RoundController`, keyed by batch size): a plain batched step, lookup chains
-alone, a smaller tree or the batch tree (`adaptive.batch_tree`: the configured tree's node budget shared by the
-rows; `adaptive.batch_lookup_tokens`: the lookup chains' too). Not yet for batches: static caches (and so the
+Per batch round one choice (`round_controller.RoundController`, keyed by batch size): a plain batched step, lookup chains
+alone, a smaller tree or the batch tree (`round_controller.batch_tree`: the configured tree's node budget shared by the
+rows; `round_controller.batch_lookup_tokens`: the lookup chains' too). Not yet for batches: static caches (and so the
 compiled path), a cache the caller passes in (it would end with holes and without finished rows, where plain batched
 generate leaves a continuable one), per-step scores or logits (`output_scores`, `output_logits`: plain generate's rows
 keep producing scores after they finish), and generations that could cross a position-dependent RoPE boundary
@@ -31,16 +31,16 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import adaptive, verification
-from .adaptive import RoundChoice
-from .batch_drafting import BatchDrafter
-from .drafting import TreeSettings
-from .features import TargetFeatures
+from . import round_controller, verification
+from .round_controller import RoundChoice
+from .batch_drafter import BatchDrafter
+from .drafter import TreeSettings
+from ..features import TargetFeatures
 from .kv_cache import drop_hole_columns, is_static, keep_accepted_rows, select_rows, truncate
 from .logits import process_tree_logits, processors_for_row
-from .modeling_jakiro import JakiroDraftModel
+from ..modeling_jakiro import JakiroDraftModel
 from .rope import deepest_level, refuse_batch_across, rope_limits
-from .stats import JakiroGenerationStats
+from ..stats import JakiroGenerationStats
 from .target_inputs import (
     cache_kwarg, check_position_ids, forward_accepts, left_paddings, round_verdicts, stop_verdicts, target_cache,
 )
@@ -82,8 +82,8 @@ class _Row:
 
 
 def _batch_tree_settings(settings: TreeSettings, batch: int) -> TreeSettings:
-    total, depth, top_k = adaptive.batch_tree(settings.total_tokens, settings.depth, settings.top_k, batch)
-    lookup = adaptive.batch_lookup_tokens(settings.lookup_tokens, batch)
+    total, depth, top_k = round_controller.batch_tree(settings.total_tokens, settings.depth, settings.top_k, batch)
+    lookup = round_controller.batch_lookup_tokens(settings.lookup_tokens, batch)
     return dataclasses.replace(settings, total_tokens=total, depth=depth, top_k=top_k, lookup_tokens=lookup)
 
 
@@ -270,7 +270,7 @@ def batch_decode(
                  [processed[r : r + 1] for r in range(batch)], stopping_criteria, "prefill", stats)
     roots = first
 
-    controller = adaptive.controller_for(target, draft, settings, False, False, batch_size=batch, do_sample=do_sample)
+    controller = round_controller.controller_for(target, draft, settings, False, False, batch_size=batch, do_sample=do_sample)
     while True:
         active = [r for r in range(len(rows)) if r not in done]
         for r in done:
@@ -314,7 +314,7 @@ def batch_decode(
             controller.record(choice, mean_tokens, seconds, mean_chain, drafter.catch_up_s)
 
     if controller is not None:
-        adaptive.remember(controller, draft)
+        round_controller.remember(controller, draft)
     stats.total_time_s = time.perf_counter() - started
     draft.last_generation_stats = stats
     sequences = _padded_output(finished, batch, generation_config)

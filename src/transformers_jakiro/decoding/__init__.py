@@ -1,0 +1,18 @@
+"""Tree speculative decoding: the loop and everything a round is made of, one concept per module.
+
+  * `loop`: the decoding loop both entry points run (`jakiro_decode`), one verification round on the dynamic path
+    (`verify_tree`) and the `custom_generate` entry point (`jakiro_generate`); `batch_loop`: a batch of rows.
+  * `drafter`: the tree settings and the drafter that expands one tree per round (`draft_round`: a whole draft
+    round as one fixed-shape function); `batch_drafter`: the same for a batch.
+  * `static_verify`: the verification round as one fixed-shape function over a static cache (`verify_round`).
+  * `tree` (building, flattening, masks, paths), `verification` (acceptance rules), `kv_cache` (cache surgery),
+    `logits` (processors per tree node), `lookup` (n-gram chains), `round_controller` (what each round verifies),
+    `target_inputs` (checks of what generate hands over, caches, stopping verdicts), `rope` (position-dependent
+    RoPE limits).
+"""
+
+from .drafter import JakiroCandidateGenerator, TreeSettings
+from .loop import jakiro_decode, jakiro_generate, verify_tree
+from .verification import VerifiedRound
+
+__all__ = ["JakiroCandidateGenerator", "TreeSettings", "VerifiedRound", "jakiro_decode", "jakiro_generate", "verify_tree"]
