@@ -44,14 +44,14 @@ def score_trees(target, draft, sequence: torch.LongTensor, prompt_length: int, t
     out = {}
     for choice in trees:
         drafter = JakiroCandidateGenerator(draft, settings)
-        drafter.set_features(features[:prompt_length])
+        drafter.observe(features[:prompt_length], [])
         depths, seconds = [], []
         for root in range(prompt_length, sequence.shape[1] - 1):
             started = time.perf_counter()
             tree = drafter.get_candidates(sequence[:, : root + 1], choice)
             seconds.append(time.perf_counter() - started)
             depths.append(accepted_depth(tree, sequence[0, root + 1 :]))
-            drafter.set_features(features[root : root + 1])
+            drafter.observe(features[root : root + 1], [])
         out[choice.name] = {"draft_tokens": depths, "draft_s": seconds}
     return out
 

@@ -97,7 +97,7 @@ def test_tree_expansion_equals_brute_force(depth, top_k, contrastive, draft_voca
         sequence = torch.cat([prompt, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         features = out.hidden_states[-1][0]
         generator = JakiroCandidateGenerator(draft, TreeSettings(10_000, depth, top_k, contrastive))
-        generator.set_features(features)
+        generator.observe(features, [])
         tree = generator.get_candidates(sequence)
         expected = brute_force_expansion(draft, sequence, features, depth, top_k, contrastive)
     got = tree_paths(tree)
@@ -121,16 +121,16 @@ def test_catch_up_reads_are_timed_apart_from_the_round():
     with torch.no_grad():
         features = target(sequence[:, :12], output_hidden_states=True).hidden_states[-1][0]
     generator = JakiroCandidateGenerator(draft, TreeSettings(6, 2, 3, True))
-    generator.set_features(features[:8])
+    generator.observe(features[:8], [])
     generator.get_candidates(sequence[:, :9], tree)
     assert generator.catch_up_s > 0  # the prompt: all but its last position
-    generator.set_features(features[8:9])
+    generator.observe(features[8:9], [])
     generator.get_candidates(sequence[:, :10], tree)
     assert generator.catch_up_s == 0  # only what the last (tree) round accepted
     for end in (11, 12):  # two plain steps: nothing read, their positions left for later
-        generator.set_features(features[end - 2 : end - 1])
+        generator.observe(features[end - 2 : end - 1], [])
         generator.get_candidates(sequence[:, :end], plain)
         assert generator.catch_up_s == 0
-    generator.set_features(features[11:12])
+    generator.observe(features[11:12], [])
     generator.get_candidates(sequence, tree)
     assert generator.catch_up_s > 0 and generator.pending_features.shape[0] == 3

@@ -258,7 +258,8 @@ def test_lookup_settings_are_validated(pairs):
 
 
 def test_chain_length_adapts_to_what_was_accepted():
-    """A wrong chain shrinks the next one to a one-token probe; accepted chains grow it again (2a + 1, capped)."""
+    """A wrong chain shrinks the next one to a one-token probe; a chain accepted whole (the probe too) makes the next
+    rounds verify whole chains alone (the pinned controller's lookup rounds, as prompt lookup decoding)."""
     target = cycle_target(CYCLE)
     draft = JakiroDraftModel.from_target(target)
     # "4 5 6" first continues with 30 31 ... in the prompt, but the target goes on 7 8 ...: the first chain is wrong.
@@ -270,10 +271,10 @@ def test_chain_length_adapts_to_what_was_accepted():
     assert torch.equal(got, expected)
     lengths = draft.last_generation_stats.accepted_lengths
     assert lengths[1] == 1  # the 10-token chain was rejected at its first token
-    # once the cycle repeats: a 1-token probe accepted, then chains of 3 and 7, then whole 10-token chains
+    # once the cycle repeats: a 1-token probe accepted (its token and the bonus), then whole 10-token chains alone
     first_whole = lengths.index(11)
-    assert lengths[first_whole - 2 : first_whole + 1] == [4, 8, 11]
-    assert 2 in lengths[2 : first_whole - 2]
+    assert lengths[first_whole - 1] == 2 and draft.last_generation_stats.choices[first_whole] == "lookup"
+    assert all(length <= 3 for length in lengths[1:first_whole])  # probes, and a tree 4/2/2 (3 tokens at most)
 
 
 def test_rounds_after_a_whole_chain_skip_the_draft(monkeypatch):
@@ -309,9 +310,9 @@ def test_the_round_controller_sees_copy_runs(monkeypatch, tmp_path):
     seen = []
     choose = round_controller.RoundController.choose
 
-    def spy(self, lookup_ready=True, copying=False):
+    def spy(self, lookup_ready=True, copying=False, chain_was_whole=False):
         seen.append(copying)
-        return choose(self, lookup_ready, copying)
+        return choose(self, lookup_ready, copying, chain_was_whole)
 
     monkeypatch.setattr(round_controller.RoundController, "choose", spy)
     target = cycle_target(CYCLE)

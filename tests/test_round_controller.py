@@ -270,7 +270,7 @@ def cycling(monkeypatch):
 
     step = itertools.count()  # one cycle across generate calls: each call starts at another choice
 
-    def choose(self, lookup_ready=True, copying=False):
+    def choose(self, lookup_ready=True, copying=False, chain_was_whole=False):
         available = [c for c in self.choices if c.kind != "lookup" or lookup_ready]
         return available[(next(step) * 7 // 3) % len(available)]
 

@@ -172,7 +172,7 @@ def test_static_draft_expands_the_same_trees(pairs, top_k, contrastive):
     for read in [10, 1, 2, 5, 3, 4]:  # positions read per round: the prompt, then each round's accepted ones
         trees = []
         for generator in (dynamic, static):
-            generator.set_features(features[past : past + read])
+            generator.observe(features[past : past + read], [])
             trees.append(generator.get_candidates(sequence[:, : past + read + 1]))
         past += read
         assert torch.equal(trees[0].tokens, trees[1].tokens), f"after {past}"

@@ -152,7 +152,7 @@ def test_verify_tree_returns_a_named_round():
         out = target(input_ids=prompt, use_cache=True, output_hidden_states=True, **{cache_kwarg(target): cache})
         sequence = torch.cat([prompt, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         generator = JakiroCandidateGenerator(draft, TreeSettings(total_tokens=20, depth=3, top_k=4, contrastive=True))
-        generator.set_features(out.hidden_states[-1][0])
+        generator.observe(out.hidden_states[-1][0], [])
         tree = generator.get_candidates(sequence)
         verified = verify_tree(target, cache, cache_kwarg(target), tree, sequence, LogitsProcessorList(), False)
     assert isinstance(verified, VerifiedRound)

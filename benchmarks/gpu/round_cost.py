@@ -132,19 +132,19 @@ def measure_round_eager(target, draft, settings: TreeSettings, prompt, repeats: 
 
     # Steady state: the draft cache holds the context; each round extends it by the one newly accepted position
     # (the bonus token of the previous round) before expanding the tree.
-    candidates.set_features(features[:-1])
+    candidates.observe(features[:-1], [])
     candidates.get_candidates(sequence[:, :-1])
     stable = candidates.cache.get_seq_length()
 
     def jakiro_round():
         truncate(candidates.cache, stable)
-        candidates.set_features(features[-1:])
+        candidates.observe(features[-1:], [])
         start = time.perf_counter()
         tree = candidates.get_candidates(sequence)
         sync()
         middle = time.perf_counter()
         verified = verify_tree(target, cache, cache_arg, tree, sequence, LogitsProcessorList(), do_sample=False)
-        candidates.set_features(verified.features)
+        candidates.observe(verified.features, [])
         sync()
         parts["draft"].append(1000 * (middle - start))
         parts["verify"].append(1000 * (time.perf_counter() - middle))
@@ -177,10 +177,10 @@ def measure_batch_round_eager(target, draft, settings: TreeSettings, prompt, rep
     tree = dataclasses.replace(settings, total_tokens=size[0], depth=size[1], top_k=size[2])
     drafter = BatchDrafter(draft, tree, batch)
     for row in range(batch):  # steady state: the draft has read the context but its last position
-        drafter.queue(row, features[row, :-1], prompt[row, 1:])
+        drafter.observe(row, features[row, :-1], prompt[row, 1:], [])
     drafter.propose(prompt[:, -1])
     for row in range(batch):
-        drafter.queue(row, features[row, -1:], first[row : row + 1])
+        drafter.observe(row, features[row, -1:], first[row : row + 1], [])
     verifier = BatchVerifier(target, cache, torch.ones_like(prompt, dtype=torch.bool))
     states = drafter.snapshot(), verifier.snapshot()
     sequences = [torch.cat([prompt[row], first[row : row + 1]])[None] for row in range(batch)]
@@ -297,7 +297,7 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, config
     candidates = JakiroCandidateGenerator(
         draft, settings, static_length=length + extra, round_fn=compiled_draft_round(config)
     )
-    candidates.set_features(features[:-1])
+    candidates.observe(features[:-1], [])
     candidates.get_candidates(sequence[:, :-1])
     stable = candidates.cached_length()
     verify = compiled_verify_round(config)
@@ -306,14 +306,14 @@ def measure_round_compiled(target, draft, settings: TreeSettings, prompt, config
 
     def jakiro_round():
         candidates.rewind(stable)
-        candidates.set_features(features[-1:])
+        candidates.observe(features[-1:], [])
         start = time.perf_counter()
         tree: DraftTree = candidates.get_candidates(sequence).padded(settings.max_nodes)
         sync()
         middle = time.perf_counter()
         verified = verify_fixed_round(verify, target, cache, cache_arg, tree, no_padding, LogitsProcessorList(),
                                       False, levels=settings.max_levels)
-        candidates.set_features(verified.features)
+        candidates.observe(verified.features, [])
         sync()
         parts["draft"].append(1000 * (middle - start))
         parts["verify"].append(1000 * (time.perf_counter() - middle))

@@ -107,13 +107,13 @@ def measure_costs(target, draft, input_ids, sizes=TUNE_SIZES, depths=TUNE_DEPTHS
     def fresh_generator(total_tokens, depth):
         settings = TreeSettings.resolve(draft, total_tokens=total_tokens, depth=depth)
         generator = JakiroCandidateGenerator(draft, settings)
-        generator.set_features(features)
+        generator.observe(features, [])
         tree = generator.get_candidates(context)  # reads the whole prompt once
         return generator, tree
 
     def draft_round(generator):
         truncate(generator.cache, context.shape[1] - 2)
-        generator.set_features(features[-1:])
+        generator.observe(features[-1:], [])
         return generator.get_candidates(context)
 
     draft_s = {}

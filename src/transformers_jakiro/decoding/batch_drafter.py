@@ -31,8 +31,8 @@ from .tree import DraftTree, flatten_tree, graft_chains
 class BatchDrafter:
     """Drafts one token tree per row of a batch (see the module docstring).
 
-    `queue(row, features, next_tokens)` hands over a row's newly accepted positions (target features [m, width] and
-    the token after each); `trees(roots, ...)` reads everything queued, in one forward, and expands every row's tree.
+    `observe(row, ...)` hands over a row's newly accepted positions (target features [m, width] and the
+    token after each); `trees(roots, ...)` reads everything queued, in one forward, and expands every row's tree.
     Rows are addressed by their place in the current batch; `select(rows)` keeps some rows (finished ones leave).
     """
 
@@ -49,8 +49,8 @@ class BatchDrafter:
         lookup = settings.lookup_tokens > 0
         self.lookup = [NgramIndex(settings.lookup_max_ngram) if lookup else None for _ in range(batch)]
         self.lookup_length = [settings.lookup_tokens] * batch
-        # This round's chains per row, once `lookup_ready` has found them (it runs every round the controller
-        # chooses, before `propose`): grafted by `propose`, compared by `extend_context` with what each row accepts.
+        # This round's chains per row, once `signals` has found them (it runs every round, before `propose`):
+        # grafted by `propose`, compared by `observe` with what each row accepts.
         self._ready_chains = None
         self.copied = [False] * batch  # per row: its last round's tokens continued the chain ready at its start
         self.catch_up_s = 0.0  # this round's read time spent on positions earlier rounds left (`drafting`'s)
@@ -59,14 +59,16 @@ class BatchDrafter:
     def batch(self) -> int:
         return len(self.present)
 
-    def queue(self, row: int, features: torch.Tensor, next_tokens: torch.LongTensor) -> None:
+    def observe(self, row: int, features: torch.Tensor, next_tokens: torch.LongTensor, tokens,
+                lookup_accepted: int | None = None) -> None:
+        """A row's one feedback per round (`JakiroCandidateGenerator.observe`, per row): its newly accepted positions
+        (target features [m, width] and the token after each), queued for the next read, and their token ids for its
+        n-gram index (`tokens`: host ids, or a tensor read only with lookup on), with its next chain length (2a + 1
+        after a round that accepted a of its lookup nodes)."""
         self.queued[row].append((features, next_tokens))
-
-    def extend_context(self, row: int, tokens: list[int], lookup_accepted: int | None = None) -> None:
-        """As `JakiroCandidateGenerator.extend_context`, per row: the row's accepted tokens for its n-gram index, and
-        its next chain length (2a + 1 after a round that accepted a of its lookup nodes)."""
         if self.lookup[row] is None:
             return
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
         ready = self._ready_chains[row] if self._ready_chains is not None else []
         self.copied[row] = continues(ready[0] if ready else [], tokens)
         self.lookup[row].extend(tokens)
@@ -81,17 +83,15 @@ class BatchDrafter:
             for index, length in zip(self.lookup, self.lookup_length)
         ]
 
-    def lookup_ready(self) -> bool:
-        """Whether the n-gram lookup offers a chain to some row this round (the chains are kept for `propose`)."""
+    def signals(self) -> tuple[bool, bool, bool]:
+        """What the round controller reads before choosing the batch's round (`JakiroCandidateGenerator.signals`):
+        whether the n-gram lookup offers a chain to some row now (the chains are kept for `propose`), whether at least
+        half the rows copied in their last round (`lookup.continues`), and False for a whole accepted chain (a pinned
+        batch verifies its tree every round)."""
         if self.settings.lookup_tokens <= 0:
-            return False
+            return False, False, False
         self._ready_chains = self.chains()
-        return any(self._ready_chains)
-
-    def copying(self) -> bool:
-        """Whether at least half the rows copied in their last round (`lookup.continues`): the batch round's context
-        for the round controller, which makes one choice for all rows."""
-        return 2 * sum(self.copied) >= len(self.copied) > 0
+        return any(self._ready_chains), 2 * sum(self.copied) >= len(self.copied) > 0, False
 
     def propose(self, roots: torch.LongTensor, choice: RoundChoice | None = None) -> tuple[list[DraftTree], str]:
         """This round's trees, one per row, and the choice's name (`round_controller.RoundChoice.name`): the tree of the

@@ -261,8 +261,8 @@ def batch_decode(
     first_ids = first.tolist()
     drafter = BatchDrafter(draft, settings, batch)
     for r, start in enumerate(paddings):  # the draft reads real positions only: left padding never enters its cache
-        drafter.queue(r, features[r, start:], torch.cat([input_ids[r, start + 1 :], first[r : r + 1]]))
-        drafter.extend_context(r, input_ids[r, start:].tolist() + [first_ids[r]])
+        context = torch.cat([input_ids[r, start:], first[r : r + 1]])
+        drafter.observe(r, features[r, start:], context[1:], context)
     del features
     verifier = BatchVerifier(target, cache, key_mask, draft.config.target_feature_layers)
     stats.verify_time_s += time.perf_counter() - tic
@@ -285,7 +285,7 @@ def batch_decode(
             rows = [rows[r] for r in active]
 
         tic = round_started = time.perf_counter()
-        choice = controller.choose(drafter.lookup_ready(), drafter.copying()) if controller is not None else None
+        choice = controller.choose(*drafter.signals())
         if limits is not None:
             deepest = deepest_level(choice, settings)
             roots_at = [(row.sequence.shape[1] - 1, paddings[row.index]) for row in rows]  # each root's index
@@ -305,16 +305,13 @@ def batch_decode(
         done = _emit(rows, new_tokens, token_ids, verdict.scores, stopping_criteria, name, stats, verdict.stops)
         for r, path in enumerate(paths):
             if r not in done:
-                drafter.queue(r, verdict.features[r, path], new_tokens[r])
-                drafter.extend_context(r, token_ids[r], verdict.lookup_accepted[r])
-        if controller is not None:
-            mean_tokens = sum(len(ids) for ids in token_ids) / len(token_ids)
-            mean_chain = sum(accepted or 0 for accepted in verdict.lookup_accepted) / len(token_ids)
-            seconds = time.perf_counter() - round_started - drafter.catch_up_s
-            controller.record(choice, mean_tokens, seconds, mean_chain, drafter.catch_up_s)
+                drafter.observe(r, verdict.features[r, path], new_tokens[r], token_ids[r], verdict.lookup_accepted[r])
+        mean_tokens = sum(len(ids) for ids in token_ids) / len(token_ids)
+        mean_chain = sum(accepted or 0 for accepted in verdict.lookup_accepted) / len(token_ids)
+        seconds = time.perf_counter() - round_started - drafter.catch_up_s
+        controller.record(choice, mean_tokens, seconds, mean_chain, drafter.catch_up_s)
 
-    if controller is not None:
-        round_controller.remember(controller, draft)
+    round_controller.remember(controller, draft)
     stats.total_time_s = time.perf_counter() - started
     draft.last_generation_stats = stats
     sequences = _padded_output(finished, batch, generation_config)

@@ -218,11 +218,11 @@ class JakiroCandidateGenerator:
     `loop.verify_tree` instead, and transformers' assisted loop never sees this class.
 
     The draft's KV cache holds the accepted context: draft position t has read (f_t, x_{t+1}), the target's hidden
-    state at t and the next token. `set_features` hands over the target hidden states of newly accepted positions;
+    state at t and the next token. `observe` hands over the target hidden states of newly accepted positions;
     `get_candidates` feeds them (with their next tokens) to the draft, expands the tree EAGLE-2 style and returns it
     flattened. The tree's KV entries are dropped again at the end of the round, so the cache only ever holds real
     target features. With `settings.lookup_tokens > 0` an `NgramIndex` of the accepted sequence (fed through
-    `extend_context`) adds continuations of earlier occurrences of the current suffix to the tree (`graft_chains`).
+    `observe`) adds continuations of earlier occurrences of the current suffix to the tree (`graft_chains`).
 
     With `static_length` the draft's cache is a static one of that many positions, the cached length kept on the
     host, and a tree round is one call of `round_fn` (`draft_round`, or `compiled_draft_round(...)`): the read of the
@@ -249,31 +249,34 @@ class JakiroCandidateGenerator:
         vocab = draft.config.draft_vocab_size or draft.config.vocab_size
         self.top_k = min(settings.top_k, vocab)
         self.lookup = NgramIndex(settings.lookup_max_ngram) if settings.lookup_tokens > 0 else None
-        self.lookup_length = settings.lookup_tokens  # adapted per round, see extend_context
+        self.lookup_length = settings.lookup_tokens  # adapted per round, see observe
         self.chain_was_whole = False  # the last round with lookup nodes accepted every one of them
         self._proposed = 0  # the longest chain of the last round that had lookup nodes
         self._features_unread = False  # a lookup-only round left `pending_features` for the draft to read later
-        self._chains = None  # this round's lookup chains, once `lookup_ready` has found them
+        self._chains = None  # this round's lookup chains, once `signals` has found them
         self._ready_chain: list[int] = []  # the first of them, to compare with what the round accepts
         self.copying = False  # the last round's tokens continued the chain ready at its start (`lookup.continues`)
 
-    def extend_context(self, tokens: list[int], lookup_accepted: int | None = None) -> None:
-        """Host copies of the accepted tokens (prompt first, then each round's), for the n-gram lookup.
+    def observe(self, features: torch.Tensor, tokens, lookup_accepted: int | None = None) -> None:
+        """The round's one feedback: the target features of the positions it accepted ([m, hidden]; after the prefill,
+        the prompt's) and its tokens (`tokens`: host ids, or a tensor read only when the n-gram lookup needs them).
 
         `lookup_accepted`: after a round whose tree carried lookup nodes, how many of them were accepted (a). The next
         chain is 2a + 1 tokens long, at most `lookup_tokens`: chains that keep being accepted stay long, and in text
         that does not repeat itself (where a wrong chain only costs verification) a single-token probe is all that is
-        verified until a chain is accepted again. A chain accepted whole makes the next round lookup-only (see
-        `get_candidates`)."""
+        verified until a chain is accepted again. Whether the chain was accepted whole is one of the signals the round
+        controller reads (`signals`)."""
+        self._set_features(features)
         if self.lookup is None:
             return
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
         self.copying, self._ready_chain = continues(self._ready_chain, tokens), []
         self.lookup.extend(tokens)
         if lookup_accepted is not None:
             self.lookup_length = min(self.settings.lookup_tokens, 2 * lookup_accepted + 1)
             self.chain_was_whole = lookup_accepted >= self._proposed
 
-    def set_features(self, features: torch.Tensor) -> None:
+    def _set_features(self, features: torch.Tensor) -> None:
         """[m, hidden]: target hidden states of the positions accepted since the last round; after a round without a
         draft forward they join the ones the draft has not read yet. Kept as a list and joined once, when the draft
         reads them: a run of plain steps would otherwise copy all the unread rows again at every step."""
@@ -337,11 +340,13 @@ class JakiroCandidateGenerator:
         return (left, right, *draft_top_k(self.draft, left, k))
 
 
-    def lookup_ready(self) -> bool:
-        """Whether the n-gram lookup offers a chain this round (found once, kept for this round's `get_candidates`)."""
+    def signals(self) -> tuple[bool, bool, bool]:
+        """What the round controller reads before choosing this round: whether the n-gram lookup offers a chain now
+        (found once, kept for this round's `get_candidates`), whether the last round copied (`lookup.continues`), and
+        whether the last round with lookup nodes accepted all of them."""
         self._chains = self._lookup_chains()
         self._ready_chain = self._chains[0] if self._chains else []
-        return bool(self._chains)
+        return bool(self._chains), self.copying, self.chain_was_whole
 
     def _lookup_chains(self) -> list[list[int]]:
         return self.lookup.chains(self.lookup_length, self.settings.lookup_chains) if self.lookup is not None else []
@@ -350,25 +355,20 @@ class JakiroCandidateGenerator:
     def get_candidates(self, input_ids: torch.LongTensor, choice: RoundChoice | None = None) -> DraftTree:
         """The tree to verify this round, rooted at `input_ids[0, -1]` (the last accepted token; [1, length]).
 
-        `choice` (from `round_controller.RoundController`): a plain step (the root alone), lookup chains alone, or a draft tree
-        of the choice's size with any lookup chains grafted. Without a choice, the configured tree, and lookup-only
-        rounds while the text copies an earlier passage (the last chain was accepted whole), as in prompt lookup
-        decoding. Rounds without a draft forward leave the accepted tokens' features in `pending_features`; the
-        draft reads them all in its next tree round."""
+        `choice` (the round controller's): a plain step (the root alone), lookup chains alone (whole chains, as prompt
+        lookup proposes them), or a draft tree of the choice's size with any lookup chains grafted; None: the configured
+        tree. Rounds without a draft forward leave the accepted tokens' features in `pending_features`; the draft reads
+        them all in its next tree round."""
         chains = self._chains if self._chains is not None else self._lookup_chains()
         self._chains = None
         self.catch_up_s = 0.0
         root = input_ids[0, -1].to(self.draft.fc.weight.device)
-        kind = choice.kind if choice is not None else ("lookup" if chains and self.chain_was_whole else "tree")
-        self.last_choice = choice if choice is not None else RoundChoice(
-            kind, *((self.settings.total_tokens, self.settings.depth, self.top_k) if kind == "tree" else ())
-        )
+        kind = "tree" if choice is None else choice.kind
         if kind != "tree":
             self._features_unread = True
             if kind == "plain" or not chains:
                 return DraftTree.root_only(root)
-            if choice is not None:  # lookup chosen alone: whole chains, as prompt lookup proposes them
-                chains = self.lookup.chains(self.settings.lookup_tokens, self.settings.lookup_chains) or chains
+            chains = self.lookup.chains(self.settings.lookup_tokens, self.settings.lookup_chains) or chains
             self._proposed = max(len(chain) for chain in chains)
             return graft_chains(DraftTree.root_only(root), chains)
         if chains:

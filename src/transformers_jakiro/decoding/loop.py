@@ -325,9 +325,8 @@ def jakiro_decode(
     raw = last_logits.float()
     processed = logits_processor(sequence, raw.clone())
     first = verification.target_choices(processed, do_sample)
-    candidates.set_features(features[0, padding:])
-    if candidates.lookup is not None:  # the prompt and the first token, once; later rounds add their own tokens
-        candidates.extend_context(torch.cat([sequence[0, padding:], first.to(sequence.device)]).tolist())
+    # the prompt and the first token, once (read to the host only for the n-gram lookup); rounds add their own
+    candidates.observe(features[0, padding:], torch.cat([sequence[0, padding:], first.to(sequence.device)]))
     # The lazy leaf path keeps logits for a data-dependent set of nodes: a shape that changes every round.
     last_hidden = features[:, -1, -draft.config.hidden_size :]
     leaf_head = None if fixed_shape else lazy_leaf_head(target, last_hidden, last_logits)
@@ -338,7 +337,7 @@ def jakiro_decode(
     controller = round_controller.controller_for(target, draft, settings, static, fixed_shape, do_sample=do_sample)
     while not finished:
         tic = round_started = time.perf_counter()
-        choice = None if controller is None else controller.choose(candidates.lookup_ready(), candidates.copying)
+        choice = controller.choose(*candidates.signals())
         root = sequence.shape[1] - 1  # the root's index in the sequence (left padding included)
         if limits is not None and not limits.allows(root, root + deepest_level(choice, settings), padding):
             choice = RoundChoice("plain")
@@ -352,10 +351,10 @@ def jakiro_decode(
             raw = last_logits.float()
             processed = logits_processor(sequence, raw.clone())
             token = verification.target_choices(processed, do_sample)
-            candidates.set_features(features[0, -1:])
             stats.verify_time_s += time.perf_counter() - tic
-            finished = emit(token, token.tolist(), processed, raw, "plain")
-            candidates.extend_context(token.tolist(), None)
+            token_ids = token.tolist()
+            finished = emit(token, token_ids, processed, raw, "plain")
+            candidates.observe(features[0, -1:], token_ids)
             continue
         tree = candidates.get_candidates(sequence[:, padding:], choice).to_device(target_device)
         if fixed_shape:
@@ -378,23 +377,19 @@ def jakiro_decode(
                 target, cache, cache_arg, tree, sequence, logits_processor, do_sample, leaf_head, padding, past,
                 forward, draft.config.target_feature_layers, verdicts,
             )
-        candidates.set_features(verified.features)
         stats.verify_time_s += time.perf_counter() - tic
-        choice = candidates.last_choice
         finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw, choice.name,
                         verified.stops)
-        if controller is not None:
-            seconds = time.perf_counter() - round_started - candidates.catch_up_s
-            chain_tokens = verified.lookup_accepted or 0
-            controller.record(choice, len(verified.token_ids), seconds, chain_tokens, candidates.catch_up_s)
+        seconds = time.perf_counter() - round_started - candidates.catch_up_s
+        chain_tokens = verified.lookup_accepted or 0
+        controller.record(choice, len(verified.token_ids), seconds, chain_tokens, candidates.catch_up_s)
         if verified.lookup_accepted is not None:
             stats.lookup_rounds += 1
             stats.lookup_accepted += verified.lookup_accepted
-        candidates.extend_context(verified.token_ids, verified.lookup_accepted)
+        candidates.observe(verified.features, verified.token_ids, verified.lookup_accepted)
 
     truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
-    if controller is not None:
-        round_controller.remember(controller, draft)
+    round_controller.remember(controller, draft)
     if streamer is not None:
         streamer.end()
     stats.total_time_s = time.perf_counter() - started

@@ -189,9 +189,10 @@ class RoundController:
         prior = self.cost_priors.get(choice.name)
         return self.costs[choice.name].mean(prior, PRIOR_ROUNDS if prior is not None else 0.0)
 
-    def choose(self, lookup_ready: bool = True, copying: bool = False) -> RoundChoice:
+    def choose(self, lookup_ready: bool = True, copying: bool = False, chain_was_whole: bool = False) -> RoundChoice:
         """This round's choice; `lookup_ready`: the n-gram lookup has a chain to offer now; `copying`: the last round's
-        tokens continued the chain ready at its start (`lookup.continues`)."""
+        tokens continued the chain ready at its start (`lookup.continues`); `chain_was_whole` (`PinnedController`'s
+        signal) is not used here."""
         self._copying, self._lookup_ready = copying, lookup_ready
         available = [c for c in self.choices if c.kind != "lookup" or lookup_ready]
         for choice in available:  # first, measure what each choice costs
@@ -308,15 +309,31 @@ def batch_lookup_tokens(lookup_tokens: int, batch: int) -> int:
     return max(1, round(lookup_tokens / batch))
 
 
+class PinnedController:
+    """The controller with `adaptive=False`: the configured tree every round, and lookup chains alone in a round
+    after one that accepted its whole chain (the text copies an earlier passage), as prompt lookup decoding does.
+    Nothing is measured or remembered."""
+
+    def __init__(self, tree: RoundChoice):
+        self.tree = tree
+
+    def choose(self, lookup_ready: bool = True, copying: bool = False, chain_was_whole: bool = False) -> RoundChoice:
+        return RoundChoice("lookup") if lookup_ready and chain_was_whole else self.tree
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+
 def controller_for(
     target, draft, settings, static: bool, fixed_shape: bool, batch_size: int = 1, do_sample: bool = False
-) -> RoundController | None:
-    """The controller for one generate call (None with `settings.adaptive` off): its choices from the settings, its
-    cost priors from the disk cache for this machine and batch size, its token priors (tokens per row and round) and
-    re-measurement waits from the draft's earlier generations in the same mode (greedy or sampling)."""
-    if not settings.adaptive:
-        return None
+) -> RoundController | PinnedController:
+    """The controller for one generate call; with `settings.adaptive` off a `PinnedController`. Otherwise a
+    `RoundController`: its choices from the settings, its cost priors from the disk cache for this machine and batch
+    size, its token priors (tokens per row and round) and re-measurement waits from the draft's earlier generations in
+    the same mode (greedy or sampling)."""
     vocab = draft.config.draft_vocab_size or draft.config.vocab_size
+    if not settings.adaptive:
+        return PinnedController(RoundChoice("tree", settings.total_tokens, settings.depth, min(settings.top_k, vocab)))
     choices = choices_for(
         settings.total_tokens, settings.depth, min(settings.top_k, vocab), settings.lookup_tokens > 0, fixed_shape
     )
@@ -329,10 +346,12 @@ def controller_for(
     )
 
 
-def remember(controller: RoundController, draft) -> None:
+def remember(controller: RoundController | PinnedController, draft) -> None:
     """After a generate call: the learned round costs go to the disk cache, the tokens per round, the
     re-measurement waits and the rounds since each choice was tried to the draft, under the call's mode (the next
-    such call's priors)."""
+    such call's priors). A pinned controller learned nothing."""
+    if isinstance(controller, PinnedController):
+        return
     save_costs(controller.key, controller.learned_costs())
     memory = getattr(draft, "_jakiro_round_memory", {})
     known = memory.get(controller.mode, {})
@@ -344,12 +363,12 @@ def remember(controller: RoundController, draft) -> None:
     draft._jakiro_round_memory = memory
 
 
-def padded_size(choice: RoundChoice | None, settings) -> int:
+def padded_size(choice: RoundChoice, settings) -> int:
     """With fixed shapes, the size a round's tree is padded to: one per kind of choice (a handful of shapes, each
     compiled once): the root alone, the root and the lookup chains, or the largest tree."""
-    if choice is not None and choice.kind == "plain":
+    if choice.kind == "plain":
         return 1
-    if choice is not None and choice.kind == "lookup":
+    if choice.kind == "lookup":
         return 1 + int(settings.lookup_tokens) * int(settings.lookup_chains)
     return settings.max_nodes
 
@@ -472,6 +491,7 @@ __all__ = [
     "RoundChoice",
     "batch_lookup_tokens",
     "batch_tree",
+    "PinnedController",
     "RoundController",
     "choices_for",
     "controller_for",
