@@ -365,10 +365,11 @@ def remember(controller: RoundController | PinnedController, draft) -> None:
 
 def padded_size(choice: RoundChoice, settings) -> int:
     """With fixed shapes, the size a round's tree is padded to: one per kind of choice (a handful of shapes, each
-    compiled once): the root alone, the root and the lookup chains, or the largest tree."""
+    compiled once): the root alone, the root and the lookup chains, or the largest tree. A pinned tree
+    (`adaptive=False`) pads its lookup-only rounds to the tree's size: one shape for all its rounds."""
     if choice.kind == "plain":
         return 1
-    if choice.kind == "lookup":
+    if choice.kind == "lookup" and settings.adaptive:
         return 1 + int(settings.lookup_tokens) * int(settings.lookup_chains)
     return settings.max_nodes
 
