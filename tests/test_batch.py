@@ -11,6 +11,7 @@ from test_sampling import VOCAB as SMALL_VOCAB
 from tiny_models import ARCHS, VOCAB, make_tokenizer, trained_pairs
 from transformers_jakiro import jakiro_generate, tree_settings
 from transformers_jakiro.decoding import round_controller
+from transformers_jakiro.decoding.kv_cache import new_target_cache
 from transformers_jakiro.decoding.loop import jakiro_decode
 
 
@@ -115,14 +116,17 @@ def test_several_return_sequences_through_custom_generate(pairs):
     assert len(draft.last_generation_stats.rows) == 3
 
 
-def test_sampling_rows_match_the_target_distribution():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_sampling_rows_match_the_target_distribution(cache):
     """Two prompts of different lengths, four rows each, in one left-padded batch: each row's first three tokens are
-    samples from the target's exact distribution for its own prompt (chi-square per prompt)."""
+    samples from the target's exact distribution for its own prompt (chi-square per prompt); with a dynamic cache,
+    and with a static one (fixed-shape trees, the verify forward over the whole static length)."""
     target, draft = small_target_and_draft()
+    caches = dict(cache=new_target_cache(target.config, static_length=32)) if cache == "static" else {}
     prompts = [torch.tensor([3, 5, 4]), torch.tensor([6, 2, 7, 3, 5])]
     processors = LogitsProcessorList(WARPERS)
     batch = left_padded([prompts[i % 2] for i in range(8)])
-    config = GenerationConfig(do_sample=True, pad_token_id=0)
+    config = GenerationConfig(do_sample=True, pad_token_id=0, max_length=batch["input_ids"].shape[1] + NEW_TOKENS)
     config._pad_token_tensor = torch.tensor(0)
     weights = torch.tensor([SMALL_VOCAB**i for i in reversed(range(NEW_TOKENS))])
     counts = [torch.zeros(SMALL_VOCAB**NEW_TOKENS, dtype=torch.float64) for _ in prompts]
@@ -131,7 +135,7 @@ def test_sampling_rows_match_the_target_distribution():
     multi = 0
     for _ in range(700):
         out = jakiro_decode(target, batch["input_ids"], processors, stop, config, draft,
-                            attention_mask=batch["attention_mask"])
+                            attention_mask=batch["attention_mask"], **caches)
         for row in range(8):
             counts[row % 2][int((out[row, -NEW_TOKENS:] * weights).sum())] += 1
         multi += sum(n > 1 for row in draft.last_generation_stats.rows for n in row.accepted_lengths)

@@ -21,11 +21,16 @@ def test_batch_with_right_padding(target_and_draft):
         target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=draft)
 
 
-def test_batch_with_a_static_cache(target_and_draft):
+def test_batch_with_the_callers_static_cache(target_and_draft):
+    """A batch decodes over a static cache generate builds (test_batch_static); one the caller passes would be left
+    with holes, like a dynamic one (test_batch)."""
+    from transformers import StaticCache
+
     target, draft = target_and_draft
-    with pytest.raises(ValueError, match="batch \\(B > 1\\) does not support a static cache"):
+    cache = StaticCache(config=target.config, max_cache_len=64)
+    with pytest.raises(ValueError, match="cannot fill a cache you pass to generate"):
         target.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=4, assistant_model=draft,
-                        cache_implementation="static")
+                        past_key_values=cache)
 
 
 def test_batch_with_per_step_scores(target_and_draft):

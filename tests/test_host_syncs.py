@@ -21,6 +21,7 @@ from benchmark_scripts import load_script
 from tiny_models import make_target, quick_trained_draft
 from transformers_jakiro import tree_settings
 from transformers_jakiro.decoding import loop as decoding
+from transformers_jakiro.decoding import batch_loop
 from transformers_jakiro.decoding.batch_drafter import BatchDrafter
 from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator
 
@@ -140,6 +141,22 @@ def test_syncs_per_round_batch_of_four(pair, monkeypatch):
     print("syncs per round (B = 4):", per_round)
     leaving = len(prompts) - 1  # at most this many rounds end with rows finishing (the last one ends the loop)
     assert max(sorted(per_round)[: len(per_round) - leaving]) <= BATCH_ROUND_LIMIT
+    assert max(per_round) <= BATCH_ROUND_LIMIT + BATCH_LEAVING_EXTRA
+
+
+def test_syncs_per_round_batch_of_four_static_cache(pair, monkeypatch):
+    """A batch over a static cache syncs as over a dynamic one: rows that finish keep idle slots (no cache rows
+    are selected), and the padded trees' shapes are known on the host. A round that packs the shared columns
+    (`kv_cache.pack_present`, when holes leave no room for the next trees) reads one length more."""
+    packs = []
+    pack = batch_loop.pack_present
+    monkeypatch.setattr(batch_loop, "pack_present", lambda *args: packs.append(1) or pack(*args))
+    prompts = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3, 5, 7, 9, 11, 13], [20, 4, 20, 4, 20, 4]])
+    per_round = count_round_syncs(*pair, monkeypatch, prompt=prompts, pad_token_id=0, cache_implementation="static")
+    print("syncs per round (B = 4, static):", per_round, "packs:", len(packs))
+    leaving = len(prompts) - 1
+    assert 0 < len(packs) < len(per_round) // 4
+    assert max(sorted(per_round)[: len(per_round) - leaving - len(packs)]) <= BATCH_ROUND_LIMIT
     assert max(per_round) <= BATCH_ROUND_LIMIT + BATCH_LEAVING_EXTRA
 
 

@@ -66,10 +66,13 @@ def run_batch_benchmark(
     methods: Sequence[str] = BATCH_METHODS,
     seed: int = 0,
     labels: dict | None = None,
+    cache_implementation: str | None = None,
     log=print,
 ) -> dict:
     """Every method at every batch size on the same prompts; returns the results dict (`results`: one row per batch
-    size and method with tokens/s, the speedup over plain at that batch size, tau per row and the round mix)."""
+    size and method with tokens/s, the speedup over plain at that batch size, tau per row and the round mix).
+    `cache_implementation` ("static"): every method's generate gets it (plain generate compiles its steps over a
+    static cache on an accelerator; Jakiro its verify forward)."""
     device = target.get_input_embeddings().weight.device
     draft.bind_target(target)
     texts = [record["turns"][0] for suite in suites for record in load_suite(suite, num_prompts, data_dir)]
@@ -80,6 +83,8 @@ def run_batch_benchmark(
     lookup = lookup_tokens or draft.config.lookup_tokens or LOOKUP_TOKENS
     eos_ids = _eos_ids(target, tokenizer)
     sampling = _sampling_kwargs(temperature, tokenizer, max_new_tokens)
+    if cache_implementation is not None:
+        sampling["cache_implementation"] = cache_implementation
     overrides = {"plain": None, "jakiro": {"lookup_tokens": 0}, "jakiro_lookup": {"lookup_tokens": lookup}}
 
     def generate(method, inputs):

@@ -74,6 +74,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-sizes", default=None, metavar="1,2,4,8",
                         help="batch throughput instead: plain batched generate, jakiro and jakiro_lookup at each batch "
                              "size on the suites' first turns (--temperature: the first value)")
+    parser.add_argument("--cache", default=None, choices=["dynamic", "static"],
+                        help="with --batch-sizes: the cache every method's generate builds (default: generate's own)")
     parser.add_argument("--update-head", action="store_true", help="write the results into the --draft directory: "
                         "tuned tree settings into config.json (with --tune), headline numbers into the model card")
 
@@ -88,7 +90,8 @@ def run_batches(args, target, tokenizer) -> int:
         target, tokenizer, draft, batch_sizes=[int(b) for b in _csv(args.batch_sizes)], suites=_csv(args.suite),
         num_prompts=args.num_prompts, data_dir=args.data_dir, temperature=float(_csv(args.temperature)[0]),
         max_new_tokens=args.max_new_tokens, lookup_tokens=args.lookup_tokens, seed=args.seed,
-        labels={"target": args.target, "draft": args.draft},
+        labels={"target": args.target, "draft": args.draft, **({"cache": args.cache} if args.cache else {})},
+        cache_implementation=args.cache,
     )
     print()
     print(batch_table(result))

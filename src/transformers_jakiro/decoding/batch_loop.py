@@ -15,12 +15,16 @@ grows with the context), the holes' share of attention (sum of M - m_r over roun
 strings, max length) leave the batch at once (their cache rows are dropped, and columns that became holes in every
 row with them); the output pads them with `pad_token_id`, as plain generate does.
 
-Per batch round one choice (`round_controller.RoundController`, keyed by batch size): a plain batched step, lookup chains
-alone, a smaller tree or the batch tree (`round_controller.batch_tree`: the configured tree's node budget shared by the
-rows; `round_controller.batch_lookup_tokens`: the lookup chains' too). Not yet for batches: static caches (and so the
-compiled path), a cache the caller passes in (it would end with holes and without finished rows, where plain batched
-generate leaves a continuable one), per-step scores or logits (`output_scores`, `output_logits`: plain generate's rows
-keep producing scores after they finish), and generations that could cross a position-dependent RoPE boundary
+Per batch round one choice (`round_controller.RoundController`, keyed by batch size): a plain batched step, lookup
+chains alone, a smaller tree or the batch tree (`round_controller.batch_tree`: the configured tree's node budget
+shared by the rows; `round_controller.batch_lookup_tokens`: the lookup chains' too).
+
+With a static cache (`cache_implementation="static"`) every round's trees are padded to one size per kind of round
+and finished rows keep idle slots (`BatchVerifier`), so the target's verify forward has fixed shapes and is compiled
+whenever generate would compile (`target_inputs.verify_forward`); the draft stays eager. Not yet for batches: a cache
+the caller passes in (it would end with holes and without finished rows, where plain batched generate leaves a
+continuable one), per-step scores or logits (`output_scores`, `output_logits`: plain generate's rows keep producing
+scores after they finish), and generations that could cross a position-dependent RoPE boundary
 (`rope.refuse_batch_across`); all are refused by name before any work.
 """
 
@@ -28,6 +32,7 @@ import dataclasses
 import time
 
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -36,30 +41,25 @@ from .round_controller import RoundChoice
 from .batch_drafter import BatchDrafter
 from .drafter import TreeSettings
 from ..features import TargetFeatures
-from .kv_cache import drop_hole_columns, is_static, keep_accepted_rows, select_rows, truncate
+from .kv_cache import drop_hole_columns, is_static, keep_accepted_rows, pack_present, select_rows, static_length, truncate
 from .logits import process_tree_logits, processors_for_row
 from ..modeling_jakiro import JakiroDraftModel
 from .rope import deepest_level, refuse_batch_across, rope_limits
 from ..stats import JakiroGenerationStats
 from .target_inputs import (
     cache_kwarg, check_position_ids, forward_accepts, left_paddings, round_verdicts, stop_verdicts, target_cache,
+    verify_forward,
 )
 from .tree import DraftTree
 
 
 def _check_batch_supported(generation_config: GenerationConfig, cache, streamer) -> None:
-    if getattr(cache, "_is_user_defined", False) and not is_static(cache):
+    if getattr(cache, "_is_user_defined", False):
         raise ValueError(
             "Jakiro decoding of a batch (B > 1) cannot fill a cache you pass to generate (past_key_values / cache) as "
             "plain batched generate fills it: rows accept different numbers of tokens each round and finished rows "
             "leave the batch, so the cache would end with holes and missing rows and could not be continued. Leave "
             "the cache out (generate builds its own), or decode one row at a time to keep a cache per row."
-        )
-    if is_static(cache):
-        raise ValueError(
-            "Jakiro decoding of a batch (B > 1) does not support a static cache yet (cache_implementation='static' or "
-            "a StaticCache, and so the compiled path): rows accept different lengths every round. Use the dynamic "
-            "cache for batches, or a batch of one for the static cache."
         )
     if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
         raise ValueError(
@@ -87,9 +87,10 @@ def _batch_tree_settings(settings: TreeSettings, batch: int) -> TreeSettings:
     return dataclasses.replace(settings, total_tokens=total, depth=depth, top_k=top_k, lookup_tokens=lookup)
 
 
-def _stack_trees(trees: list[DraftTree]):
-    """Every row's tree padded to the largest (`DraftTree.padded`): tokens, depths [rows, n], ancestors [rows, n, n]."""
-    size = max(tree.num_nodes for tree in trees)
+def _stack_trees(trees: list[DraftTree], size: int | None = None):
+    """Every row's tree padded to `size` nodes, by default the largest tree's (`DraftTree.padded`): tokens, depths
+    [rows, n], ancestors [rows, n, n]."""
+    size = max(tree.num_nodes for tree in trees) if size is None else size
     padded = [tree if tree.num_nodes == size else tree.padded(size) for tree in trees]
     return (
         torch.stack([tree.tokens for tree in padded]),
@@ -120,49 +121,90 @@ class BatchVerdict:
 
 class BatchVerifier:
     """The target's side of a batch: its cache with the key mask of present entries (left padding and holes absent;
-    see the module docstring) and each row's next position. `verify` runs one round for every row."""
+    see the module docstring) and each row's next position. `verify` runs one round for every row.
 
-    def __init__(self, target, cache, key_mask: torch.BoolTensor, feature_layers=()):
+    With a StaticCache every row of the prompt batch keeps its slot to the end, so that every forward has one shape
+    (one compiled graph): a finished row's slot verifies a dummy tree and keeps nothing. The rows' entries are written
+    at shared columns, so holes use up the static length; when a tree would not fit, each row's present entries are
+    moved to the front (`kv_cache.pack_present`). `forward`: the callable that runs the target (compiled by
+    `target_inputs.verify_forward`), the target by default."""
+
+    def __init__(self, target, cache, key_mask: torch.BoolTensor, feature_layers=(), forward=None):
         self.target, self.cache, self.key_mask = target, cache, key_mask
         self.present = key_mask.sum(1)  # each row's cached real tokens: the position of its root
         self.feature_layers = feature_layers
         self.cache_arg = cache_kwarg(target)
+        self.forward = target if forward is None else forward
+        self.static = is_static(cache)
+        self.slots = list(range(key_mask.shape[0]))  # each current row's slot in the cache (static: finished rows idle)
+        self.slot_index = None  # `slots` on the device, once some slots idle
 
     def snapshot(self):
         """The state `restore` returns to (benchmarks replaying one round)."""
-        return self.key_mask.shape[1], self.key_mask, self.present
+        return self.key_mask.shape[1], self.key_mask, self.present, list(self.slots), self.slot_index
 
     def restore(self, state) -> None:
-        length, self.key_mask, self.present = state
+        length, self.key_mask, self.present, self.slots, self.slot_index = state
         truncate(self.cache, length)
 
     def select(self, rows: list[int], index: torch.LongTensor | None = None) -> None:
         """Keep these rows, in this order (`index`: the same on the device, when the caller has it); cache columns
-        that are then holes in every row go too (one read: which columns those are)."""
+        that are then holes in every row go too (one read: which columns those are). A static cache keeps every slot:
+        the finished rows' idle."""
         index = torch.tensor(rows, device=self.key_mask.device) if index is None else index.to(self.key_mask.device)
+        if self.static:  # the finished rows' entries become holes: their slots attend to their own dummy tree only
+            self.slot_index = index if self.slot_index is None else self.slot_index[index]
+            self.slots = [self.slots[r] for r in rows]
+            live = torch.zeros_like(self.present, dtype=torch.bool).index_fill_(0, self.slot_index, True)
+            self.key_mask = self.key_mask & live[:, None]
+            return
         select_rows(self.cache, index)
         self.key_mask = drop_hole_columns(self.cache, self.key_mask[index])
         self.present = self.present[index]
 
-    def verify(self, trees: list[DraftTree], sequences, processors, do_sample: bool, stopping_criteria=None) -> BatchVerdict:
-        """One forward over every row's tree (padded to one size), each row's acceptance by the one-row rule with its
-        own `sequences[r]` ([1, length], ending with its root) and `processors[r]`, one device-to-host copy for the
-        batch (with `stopping_criteria`, each row's stopping verdicts after each of its tokens too), and the cache
-        compacted: every row keeps M = the longest path's entries, its own path then holes."""
+    def _in_slots(self, tokens, depths, ancestors):
+        """The current rows' trees placed in their slots; an idle slot gets a dummy tree of its slot's size (token
+        0, every node seeing the row's entries and itself), whose results are ignored."""
+        slots = self.slot_index
+        batch, size = self.key_mask.shape[0], tokens.shape[1]
+        eye = torch.eye(size, dtype=torch.bool, device=tokens.device)
+        return (
+            tokens.new_zeros(batch, size).index_copy(0, slots, tokens),
+            depths.new_zeros(batch, size).index_copy(0, slots, depths),
+            eye.expand(batch, size, size).clone().index_copy(0, slots, ancestors),
+        )
+
+    def verify(self, trees: list[DraftTree], sequences, processors, do_sample: bool, stopping_criteria=None,
+               size: int | None = None) -> BatchVerdict:
+        """One forward over every row's tree (padded to `size` nodes, by default the largest tree's), each row's
+        acceptance by the one-row rule with its own `sequences[r]` ([1, length], ending with its root) and
+        `processors[r]`, one device-to-host copy for the batch (with `stopping_criteria`, each row's stopping verdicts
+        after each of its tokens too), and the cache compacted: every row keeps M = the longest path's entries, its
+        own path then holes."""
         target, device = self.target, self.key_mask.device
-        tokens, depths, ancestors = _stack_trees(trees)
+        tokens, depths, ancestors = _stack_trees(trees, size)
+        idle = len(self.slots) < self.key_mask.shape[0]
+        if idle:
+            tokens, depths, ancestors = self._in_slots(tokens, depths, ancestors)
+        nodes_per_row = tokens.shape[1]
+        if self.static and self.key_mask.shape[1] + nodes_per_row > static_length(self.cache):
+            self.key_mask = pack_present(self.cache, self.key_mask)
         cached = self.key_mask.shape[1]
-        visible = torch.cat([self.key_mask[:, None, :].expand(-1, tokens.shape[1], -1), ancestors], dim=2)
+        visible = torch.cat([self.key_mask[:, None, :].expand(-1, nodes_per_row, -1), ancestors], dim=2)
+        if self.static:  # the mask spans the whole static length; the columns after the tree are unwritten
+            visible = F.pad(visible, (0, static_length(self.cache) - cached - nodes_per_row))
         mask = torch.zeros(visible.shape, dtype=target.dtype, device=device)
         mask = mask.masked_fill(~visible, torch.finfo(target.dtype).min)[:, None]
         with TargetFeatures(target, self.feature_layers) as hidden:
-            out = target(
+            out = self.forward(
                 input_ids=tokens, position_ids=self.present[:, None] + depths, attention_mask=mask, use_cache=True,
                 **hidden.forward_kwargs(), **{self.cache_arg: self.cache},
             )
             features = hidden.take(out)
         raw = out.logits.float()
         del out
+        if idle:  # the current rows' results, in their order
+            raw, features = raw[self.slot_index], features[self.slot_index]
 
         fetch, picks = [], []
         for r, tree in enumerate(trees):
@@ -198,11 +240,13 @@ class BatchVerifier:
                 verdict.stops.append([bool(v) for v in chunk[2 * width + 2 : 2 * width + 2 + m]])
 
         most = max(path.numel() for path in verdict.paths)
-        nodes = torch.zeros(len(trees), most, dtype=torch.long, device=device)
-        for r, path in enumerate(verdict.paths):
-            nodes[r, : path.numel()] = path
+        nodes = torch.zeros(self.key_mask.shape[0], most, dtype=torch.long, device=device)
+        for slot, path in zip(self.slots, verdict.paths):
+            nodes[slot, : path.numel()] = path
         lengths = torch.stack([(path >= 0).sum() for path, _, _ in picks])  # on the device: no upload
-        if tokens.shape[1] > 1:  # a plain round's one entry per row is already in place
+        if idle:  # an idle slot keeps nothing
+            lengths = lengths.new_zeros(self.key_mask.shape[0]).index_copy(0, self.slot_index, lengths)
+        if nodes_per_row > 1 or self.static:  # a dynamic cache's plain round: each row's one entry is in place
             keep_accepted_rows(self.cache, cached, nodes)
         self.key_mask = torch.cat([self.key_mask, torch.arange(most, device=device)[None, :] < lengths[:, None]], 1)
         self.present = self.present + lengths
@@ -226,6 +270,9 @@ def batch_decode(
     settings = _batch_tree_settings(settings or TreeSettings.resolve(draft), input_ids.shape[0])
     cache = target_cache(target, model_kwargs, generation_config, settings.max_nodes)
     _check_batch_supported(generation_config, cache, streamer)
+    static = is_static(cache)
+    fixed_shape = static if settings.fixed_shape is None else bool(settings.fixed_shape)
+    forward = verify_forward(target, cache, generation_config) if static and fixed_shape else target
     batch, length = input_ids.shape
     attention_mask = model_kwargs.get("attention_mask")
     paddings = left_paddings(attention_mask, batch, length)
@@ -264,13 +311,15 @@ def batch_decode(
         context = torch.cat([input_ids[r, start:], first[r : r + 1]])
         drafter.observe(r, features[r, start:], context[1:], context)
     del features
-    verifier = BatchVerifier(target, cache, key_mask, draft.config.target_feature_layers)
+    verifier = BatchVerifier(target, cache, key_mask, draft.config.target_feature_layers, forward)
     stats.verify_time_s += time.perf_counter() - tic
     done = _emit(rows, [first[r : r + 1] for r in range(batch)], [[t] for t in first_ids],
                  [processed[r : r + 1] for r in range(batch)], stopping_criteria, "prefill", stats)
     roots = first
 
-    controller = round_controller.controller_for(target, draft, settings, False, False, batch_size=batch, do_sample=do_sample)
+    controller = round_controller.controller_for(
+        target, draft, settings, static, fixed_shape, batch_size=batch, do_sample=do_sample
+    )
     while True:
         active = [r for r in range(len(rows)) if r not in done]
         for r in done:
@@ -296,8 +345,9 @@ def batch_decode(
         stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
+        size = round_controller.padded_size(choice, settings) if fixed_shape else None
         verdict = verifier.verify(trees, [row.sequence for row in rows], [row.processors for row in rows], do_sample,
-                                  stopping_criteria)
+                                  stopping_criteria, size)
         paths, new_tokens, token_ids = verdict.paths, verdict.tokens, verdict.token_ids
         roots = torch.stack([tokens_r[-1] for tokens_r in new_tokens])
         stats.verify_time_s += time.perf_counter() - tic

@@ -99,18 +99,38 @@ def _dynamic_layers(cache):
 
 
 def keep_accepted_rows(cache, prefix_length: int, nodes: torch.LongTensor) -> None:
-    """A batch's `keep_accepted`, for a DynamicCache: row r keeps positions [0, prefix_length) plus
-    `prefix_length + nodes[r]` ([rows, m]; every row keeps m entries, a row's unused ones being holes that the
-    caller masks), in place."""
-    for layer in _dynamic_layers(cache):
+    """A batch's `keep_accepted`: row r keeps positions [0, prefix_length) plus `prefix_length + nodes[r]` ([rows,
+    m]; every row keeps m entries, a row's unused ones being holes that the caller masks), in place. A StaticCache
+    keeps its tensors (the rest is overwritten by later writes) and its length becomes prefix_length + m."""
+    static = is_static(cache)
+    end = prefix_length + nodes.shape[1]
+    for layer in cache.layers if static else _dynamic_layers(cache):
         rows, heads, _, width = layer.keys.shape
         index = nodes.to(layer.keys.device)[:, None, :, None].expand(rows, heads, -1, width)
         # gather copies first, so sources that the write overwrites (nodes[r, j] >= j) are read intact; the prefix is
         # not copied (a view of the first prefix_length + m positions is kept, as `keep_accepted` does).
-        end = prefix_length + nodes.shape[1]
         layer.keys[:, :, prefix_length:end] = layer.keys[:, :, prefix_length:].gather(2, index)
         layer.values[:, :, prefix_length:end] = layer.values[:, :, prefix_length:].gather(2, index)
-        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
+        if not static:
+            layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
+    if static:
+        _set_static_length(cache, end)
+
+
+def pack_present(cache, key_mask: torch.BoolTensor) -> torch.BoolTensor:
+    """A StaticCache shared by a batch whose rows left holes: move each row's present entries (`key_mask` [rows,
+    cached]) to the front, in order, and cut the cache to the longest row; returns the new key mask. Keys carry
+    their positions already (RoPE), so moving them changes nothing a query computes. One host read: that length."""
+    counts = key_mask.sum(1)
+    longest = int(counts.max())
+    order = torch.argsort((~key_mask).to(torch.uint8), dim=1, stable=True)[:, :longest]  # present entries first
+    for layer in cache.layers:
+        rows, heads, _, width = layer.keys.shape
+        index = order.to(layer.keys.device)[:, None, :, None].expand(rows, heads, -1, width)
+        layer.keys[:, :, :longest] = layer.keys.gather(2, index)
+        layer.values[:, :, :longest] = layer.values.gather(2, index)
+    _set_static_length(cache, longest)
+    return torch.arange(longest, device=key_mask.device)[None, :] < counts[:, None]
 
 
 def select_rows(cache, rows: torch.LongTensor) -> None:
@@ -164,6 +184,7 @@ __all__ = [
     "keep_accepted_rows",
     "new_draft_cache",
     "new_target_cache",
+    "pack_present",
     "select_positions",
     "select_rows",
     "static_length",

@@ -36,6 +36,7 @@ from .target_inputs import (
     round_verdicts,
     stop_verdicts,
     target_cache,
+    verify_forward,
 )
 from .tree import DraftTree
 from .verification import VerifiedRound
@@ -95,18 +96,6 @@ def _prefill(target, sequence, mask, cache, cache_arg: str, feature_layers):
             **{cache_arg: cache},
         )
         return hidden.take(out), out.logits[:, -1]
-
-
-def _verify_forward(target, cache, generation_config: GenerationConfig):
-    """The callable for fixed-shape verification forwards: the target's forward compiled by transformers' own
-    mechanism (`get_compiled_call` with `generation_config.compile_config`) whenever `generate` would compile its
-    decoding steps for this cache, device and config (`_valid_auto_compile_criteria`: a compileable cache on an
-    accelerator, or `CompileConfig` with `_compile_all_devices`; never with `disable_compile`); the target otherwise.
-    The prefill stays eager, as in `generate`: its shape changes with every prompt."""
-    # The criteria read the cache from model_kwargs under the forward's name: `past_key_values` (5.17) or `cache`.
-    if target._valid_auto_compile_criteria({"cache": cache, "past_key_values": cache}, generation_config):
-        return target.get_compiled_call(generation_config.compile_config)
-    return target
 
 
 def verify_tree(
@@ -281,7 +270,7 @@ def jakiro_decode(
     cache_arg = cache_kwarg(target)
     static = is_static(cache)
     fixed_shape = static if settings.fixed_shape is None else bool(settings.fixed_shape)
-    forward = _verify_forward(target, cache, generation_config) if static and fixed_shape else target
+    forward = verify_forward(target, cache, generation_config) if static and fixed_shape else target
     compiled = forward is not target
     candidates = _candidate_generator(target, draft, settings, cache, fixed_shape, compiled, generation_config)
     limits = rope_limits(target)  # position-dependent RoPE: rounds that would straddle a limit are plain steps

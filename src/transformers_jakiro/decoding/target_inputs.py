@@ -199,6 +199,18 @@ def check_supported(target, draft, input_ids, processors, model_kwargs, generati
     draft.bind_target(target)  # checks shapes every call: the draft may have been bound to another target before
 
 
+def verify_forward(target, cache, generation_config: GenerationConfig):
+    """The callable for fixed-shape verification forwards: the target's forward compiled by transformers' own
+    mechanism (`get_compiled_call` with `generation_config.compile_config`) whenever `generate` would compile its
+    decoding steps for this cache, device and config (`_valid_auto_compile_criteria`: a compileable cache on an
+    accelerator, or `CompileConfig` with `_compile_all_devices`; never with `disable_compile`); the target otherwise.
+    The prefill stays eager, as in `generate`: its shape changes with every prompt."""
+    # The criteria read the cache from model_kwargs under the forward's name: `past_key_values` (5.17) or `cache`.
+    if target._valid_auto_compile_criteria({"cache": cache, "past_key_values": cache}, generation_config):
+        return target.get_compiled_call(generation_config.compile_config)
+    return target
+
+
 def target_cache(target, model_kwargs: dict, generation_config: GenerationConfig, max_nodes: int):
     """The target's cache for this call: the DynamicCache generate prepared or the caller passed (filled in place,
     as plain generate fills it), or static with `cache_implementation="static"` or a StaticCache passed to generate.
