@@ -16,7 +16,7 @@ from tiny_models import ARCHS, random_prompt, trained_pairs
 from transformers_jakiro import JakiroDraftModel, jakiro_generate, tree_settings
 from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.decoding.lookup import NgramIndex
-from transformers_jakiro.decoding.tree import DraftTree, ancestor_matrix, graft_chains
+from transformers_jakiro.decoding.tree import DraftTree, ancestor_matrix, graft_chain_slots, graft_chains
 
 
 # -- the n-gram index -------------------------------------------------------------------------------------------------
@@ -110,6 +110,35 @@ def test_graft_shares_prefixes_and_keeps_a_breadth_first_tree(case, chains):
     marked = grafted.from_lookup.tolist() if grafted.from_lookup is not None else [False] * grafted.num_nodes
     assert {after[i] for i in range(grafted.num_nodes) if marked[i]} == new
     assert all(grafted.scores[i] == 0 for i in range(grafted.num_nodes) if marked[i])
+
+
+@settings(max_examples=300, deadline=None)
+@given(recorded_trees(), st.lists(st.lists(st.integers(0, 99), max_size=7), max_size=3), st.integers(1, 8))
+def test_fixed_slots_graft_the_same_paths_as_the_host(case, chains, length):
+    """`graft_chain_slots` (fixed slots on the device) adds the same paths as `graft_chains` (on the host) for the
+    chains cut to `length` tokens; its other slots are dummies that nothing real sees and that are never accepted."""
+    recorder, _, total_tokens = case
+    tree = recorder.flatten(total_tokens)
+    count = max(len(chains), 1)
+    slots = graft_chain_slots(tree, chains, length, count)
+    merged = graft_chains(tree, [chain[:length] for chain in chains])
+    assert slots.num_nodes == tree.num_nodes + count * length and slots.levels >= length
+    parents, depths, real = slots.parents.tolist(), slots.depths.tolist(), slots.real.tolist()
+    assert parents[0] == -1
+    for i in range(1, slots.num_nodes):
+        assert 0 <= parents[i] < i and depths[i] == depths[parents[i]] + 1
+        assert real[parents[i]] or not real[i]  # a real node hangs below real nodes only
+    assert torch.equal(slots.ancestors, brute_force_ancestors(parents))
+    paths = path_tokens_of(slots)
+    real_paths = [paths[i] for i in range(slots.num_nodes) if real[i]]
+    assert sorted(real_paths) == sorted(path_tokens_of(merged))
+    marked = slots.from_lookup.tolist()
+    lookup_paths = {paths[i] for i in range(slots.num_nodes) if marked[i]}
+    merged_marked = merged.from_lookup.tolist() if merged.from_lookup is not None else [False] * merged.num_nodes
+    assert lookup_paths == {path_tokens_of(merged)[i] for i in range(merged.num_nodes) if merged_marked[i]}
+    assert all(real[i] for i in range(slots.num_nodes) if marked[i])
+    assert not any(slots.ancestors[i, j] for i in range(slots.num_nodes) for j in range(slots.num_nodes)
+                   if real[i] and not real[j])  # no real node sees a dummy
 
 
 def hand_tree(tokens, parents) -> DraftTree:

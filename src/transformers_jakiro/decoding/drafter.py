@@ -16,7 +16,7 @@ from .round_controller import RoundChoice
 from .kv_cache import new_draft_cache, truncate
 from .lookup import NgramIndex, continues
 from ..modeling_jakiro import JakiroDraftModel
-from .tree import DraftTree, TreeRecorder, flattened_tensors, graft_chains, tree_columns
+from .tree import DraftTree, TreeRecorder, flattened_tensors, graft_chain_slots, graft_chains, tree_columns
 
 
 @dataclass
@@ -370,7 +370,7 @@ class JakiroCandidateGenerator:
                 return DraftTree.root_only(root)
             chains = self.lookup.chains(self.settings.lookup_tokens, self.settings.lookup_chains) or chains
             self._proposed = max(len(chain) for chain in chains)
-            return graft_chains(DraftTree.root_only(root), chains)
+            return self._graft(DraftTree.root_only(root), chains)
         if chains:
             self._proposed = max(len(chain) for chain in chains)
         settings = self.settings
@@ -378,7 +378,16 @@ class JakiroCandidateGenerator:
             total_tokens, depth, k = settings.total_tokens, settings.depth, self.top_k
         else:
             total_tokens, depth, k = choice.total_tokens, choice.depth, min(choice.top_k, self.top_k)
-        return graft_chains(self._expand(input_ids.to(root.device), total_tokens, depth, k), chains)
+        return self._graft(self._expand(input_ids.to(root.device), total_tokens, depth, k), chains)
+
+    def _graft(self, tree: DraftTree, chains: list[list[int]]) -> DraftTree:
+        """The tree with this round's lookup chains: in fixed slots on the device over the static cache (where the
+        tree is padded to a fixed size anyway: one upload, no read), else merged on the host (no extra rows)."""
+        if not chains:
+            return tree
+        if self.static:
+            return graft_chain_slots(tree, chains, self.settings.lookup_tokens, self.settings.lookup_chains)
+        return graft_chains(tree, chains)
 
     def _expand(self, input_ids: torch.LongTensor, total_tokens: int, depth: int, k: int) -> DraftTree:
         """The draft reads the accepted positions it has not read yet, then expands a tree EAGLE-2 style: `depth`

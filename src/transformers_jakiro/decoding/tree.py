@@ -64,10 +64,12 @@ class DraftTree:
         if size == n:
             return self if self.real is not None else DraftTree(**{**self.__dict__, "real": self._all_real()})
         extra, device = size - n, self.tokens.device
-        ancestors = torch.zeros(size, size, dtype=torch.bool, device=device)
-        ancestors[:n, :n] = self.ancestors
-        ancestors[n:, 0] = True
-        ancestors[torch.arange(n, size, device=device), torch.arange(n, size, device=device)] = True
+        # built from blocks: a Python scalar written into a tensor would be a blocking host-to-device copy
+        ancestors = torch.cat([
+            torch.cat([self.ancestors, self.ancestors.new_zeros(n, extra)], dim=1),
+            torch.cat([(torch.arange(n, device=device) == 0).expand(extra, n),
+                       torch.eye(extra, dtype=torch.bool, device=device)], dim=1),
+        ])
         real = self.real if self.real is not None else self._all_real()
         lookup = self.from_lookup
         return DraftTree(
@@ -283,6 +285,52 @@ def graft_chains(tree: DraftTree, chains: list[list[int]]) -> DraftTree:
     )
 
 
+def graft_chain_slots(tree: DraftTree, chains: list[list[int]], length: int, count: int) -> DraftTree:
+    """`graft_chains` in fixed slots, on the device: `count` chains of `length` tokens each (missing chains and the
+    ends of short ones are empty slots) always add `count * length` nodes, so nothing about the grafted tree is read
+    on the host, and the chains' tokens are its one upload. For trees padded to a fixed size anyway (static caches):
+    there the slots cost no extra rows.
+
+    Chain i's slot j holds its token j as a new node when the tree does not already spell the chain's first j + 1
+    tokens, below the deepest node that spells a prefix of the chain (a draft node, or an earlier chain's slot); else
+    the slot is a dummy as `DraftTree.padded` appends them (`real` False: a child of the root that sees the root and
+    itself and is never accepted). Parents still precede their children; the order is no longer breadth-first."""
+    device = tree.tokens.device
+    rows = [list(chain[:length]) + [-1] * (length - len(chain[:length])) for chain in chains[:count]]
+    rows += [[-1] * length] * (count - len(rows))
+    chain_tokens = torch.tensor(rows, dtype=tree.tokens.dtype, device=device)  # the one upload
+    tokens, parents, depths, ancestors, scores = tree.tokens, tree.parents, tree.depths, tree.ancestors, tree.scores
+    real = tree.real if tree.real is not None else torch.ones_like(tokens, dtype=torch.bool)
+    from_lookup = tree.from_lookup if tree.from_lookup is not None else torch.zeros_like(real)
+    step = torch.arange(length, device=device)
+    for chain in chain_tokens:
+        size = tokens.shape[0]
+        nodes = torch.arange(size, device=device)
+        # a node spells the chain when every node on its way down (the root aside) holds the chain's token there
+        spells = (tokens == chain[(depths - 1).clamp(0, length - 1)]) & (depths <= length) & real
+        spells = spells | (nodes == 0)
+        on_chain = ~(ancestors & ~spells[None, :]).any(dim=1)
+        deepest = torch.argmax(torch.where(on_chain, depths, -1))[None]  # [1]: no host read
+        shared = depths.index_select(0, deepest)  # the chain's tokens the tree already holds
+        new = (chain >= 0) & (step >= shared)
+        slot_parents = torch.where(step == shared, deepest, size + step - 1)
+        seen = torch.cat([ancestors.index_select(0, deepest).expand(length, size),
+                          (step[None, :] <= step[:, None]) & new[None, :]], dim=1)
+        dummy = torch.cat([(nodes == 0).expand(length, size), torch.eye(length, dtype=torch.bool, device=device)], 1)
+        ancestors = torch.cat([
+            torch.cat([ancestors, ancestors.new_zeros(size, length)], dim=1),
+            torch.where(new[:, None], seen, dummy),
+        ])
+        tokens = torch.cat([tokens, torch.where(new, chain, tokens[:1])])
+        parents = torch.cat([parents, torch.where(new, slot_parents, 0)])
+        depths = torch.cat([depths, torch.where(new, step + 1, 1)])
+        scores = torch.cat([scores, torch.where(new, 0.0, float("-inf")).to(scores.dtype)])
+        real = torch.cat([real, new])
+        from_lookup = torch.cat([from_lookup, new])
+    return DraftTree(tokens, parents, depths, ancestors, scores, levels=max(tree.levels, length),
+                     from_lookup=from_lookup, real=real)
+
+
 class TreeRecorder:
     """Collects candidates level by level while the draft expands, then flattens them.
 
@@ -317,5 +365,5 @@ class TreeRecorder:
         return torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores), torch.cat(self.depths)
 
 
-__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "flattened_tensors", "graft_chains", "ranking_scores",
+__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "flattened_tensors", "graft_chain_slots", "graft_chains", "ranking_scores",
            "tree_columns"]
