@@ -342,3 +342,25 @@ def test_batch_throughput_benchmark(models, tmp_path):
     assert "| 3 | jakiro | 4/3/4 |" in batch_table(result)
     eos = tokenizer.eos_token_id
     assert row_lengths(torch.tensor([[5, eos, eos], [5, 6, 7]]), {eos}) == [2, 3]
+
+
+def test_batch_benchmark_over_a_static_cache(models, tmp_path, monkeypatch):
+    """`--cache static`: every method's generate gets `cache_implementation="static"` (plain's too), and Jakiro's rows
+    stay identical to plain batched generate over it."""
+    from transformers_jakiro.bench.batches import run_batch_benchmark
+
+    target, tokenizer, draft, _ = models
+    texts = ["Say hi.", "Count to three please.", "def f(x):", "Name a colour."]
+    (tmp_path / "mt_bench.jsonl").write_text("".join(json.dumps({"id": i, "turns": [t]}) + "\n" for i, t in enumerate(texts)))
+    caches = []
+    generate = type(target).generate
+
+    def recorded(self, *args, **kwargs):
+        caches.append(kwargs.get("cache_implementation"))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "generate", recorded)
+    result = run_batch_benchmark(target, tokenizer, draft, batch_sizes=(2,), suites=("mt_bench",), data_dir=tmp_path,
+                                 max_new_tokens=10, cache_implementation="static", log=lambda _: None)
+    assert caches and set(caches) == {"static"}
+    assert all(row["match_rate"] == 1.0 for row in result["results"])
