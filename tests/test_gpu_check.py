@@ -27,7 +27,7 @@ def run(*args, timeout=600):
 
 def test_cpu_smoke_runs_every_part(tmp_path):
     check = load_check()
-    wall, stdout = run("--cpu-smoke", "--out", str(tmp_path))
+    wall, stdout = run("--cpu-smoke", "--batch-sizes", "1,3", "--out", str(tmp_path))
     print(f"cpu smoke: {wall:.1f} s")
     summary = json.loads((tmp_path / "check.json").read_text())
     text = (tmp_path / "check.md").read_text()
@@ -49,6 +49,8 @@ def test_cpu_smoke_runs_every_part(tmp_path):
                     "compiled_lookup"):
         result = correctness[f"fp32_{variant}"]
         assert result["identical"] == result["of"] > 0, (variant, result)
+    for key in ("batch_3", "batch_3_static_compiled"):
+        assert correctness[f"fp32_{key}"]["identical"] == correctness[f"fp32_{key}"]["of"] == 3, key
     for key in ("compiled", "compiled_lookup"):
         assert correctness[f"fp32_{key}"]["graphs_after_first_call"] == 0
         assert correctness[f"fp32_{key}"]["recompile"] is None

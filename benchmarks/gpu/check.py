@@ -479,6 +479,9 @@ def part_correctness(config, record):
         if batch == 1:
             continue
         record.attempt(f"fp32_batch_{batch}", _batched, target, draft, prompts, batch, kwargs)
+        # a static cache, the verify forward compiled (plain batched generate compiles its steps over it too)
+        record.attempt(f"fp32_batch_{batch}_static_compiled", _batched, target, draft, prompts, batch,
+                       {**kwargs, **static, "compile_config": _compile_config(device, config["backend"])})
 
     # bf16 (before the compiled runs, which take longest): plain decoding, Jakiro (lookup off, on) and stock prompt
     # lookup, each against plain, on bf16 copies of the target and the head (generate binds the copy to the copy).
