@@ -109,7 +109,7 @@ def counting_calls(*modules):
 
 
 # Modules of the decoding subpackage under their names in trees from before it (`transformers_jakiro.drafting`)
-_OLD_NAMES = {"drafter": "drafting", "loop": "decoding"}
+_OLD_NAMES = {"drafter": "drafting"}
 
 
 def decoding_loop():

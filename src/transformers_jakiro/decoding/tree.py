@@ -64,12 +64,7 @@ class DraftTree:
         if size == n:
             return self if self.real is not None else DraftTree(**{**self.__dict__, "real": self._all_real()})
         extra, device = size - n, self.tokens.device
-        # built from blocks: a Python scalar written into a tensor would be a blocking host-to-device copy
-        ancestors = torch.cat([
-            torch.cat([self.ancestors, self.ancestors.new_zeros(n, extra)], dim=1),
-            torch.cat([(torch.arange(n, device=device) == 0).expand(extra, n),
-                       torch.eye(extra, dtype=torch.bool, device=device)], dim=1),
-        ])
+        ancestors = with_appended_nodes(self.ancestors, dummy_ancestors(n, extra, device))
         real = self.real if self.real is not None else self._all_real()
         lookup = self.from_lookup
         return DraftTree(
@@ -150,6 +145,21 @@ class DraftTree:
             path = node_index[self.ancestors[leaf]]  # ascending index == ascending depth (breadth-first order)
             out[row, : path.numel()] = path
         return out
+
+
+def dummy_ancestors(existing: int, extra: int, device) -> torch.BoolTensor:
+    """[extra, existing + extra]: the ancestor rows of `extra` dummy nodes appended after `existing` nodes (each a
+    child of the root that sees the root and itself: `DraftTree.padded`, the empty slots of `graft_chain_slots`)."""
+    root = (torch.arange(existing, device=device) == 0).expand(extra, existing)
+    return torch.cat([root, torch.eye(extra, dtype=torch.bool, device=device)], dim=1)
+
+
+def with_appended_nodes(ancestors: torch.BoolTensor, rows: torch.BoolTensor) -> torch.BoolTensor:
+    """The ancestor matrix [n, n] of a tree with nodes appended whose ancestor rows are `rows` ([m, n + m]): no old
+    node sees a new one. Built from blocks: a Python scalar written into a tensor would be a blocking host-to-device
+    copy on an accelerator."""
+    n, m = ancestors.shape[0], rows.shape[0]
+    return torch.cat([torch.cat([ancestors, ancestors.new_zeros(n, m)], dim=1), rows])
 
 
 def tree_columns(visible: torch.BoolTensor, columns: torch.LongTensor, start) -> torch.BoolTensor:
@@ -316,11 +326,8 @@ def graft_chain_slots(tree: DraftTree, chains: list[list[int]], length: int, cou
         slot_parents = torch.where(step == shared, deepest, size + step - 1)
         seen = torch.cat([ancestors.index_select(0, deepest).expand(length, size),
                           (step[None, :] <= step[:, None]) & new[None, :]], dim=1)
-        dummy = torch.cat([(nodes == 0).expand(length, size), torch.eye(length, dtype=torch.bool, device=device)], 1)
-        ancestors = torch.cat([
-            torch.cat([ancestors, ancestors.new_zeros(size, length)], dim=1),
-            torch.where(new[:, None], seen, dummy),
-        ])
+        slot_rows = torch.where(new[:, None], seen, dummy_ancestors(size, length, device))
+        ancestors = with_appended_nodes(ancestors, slot_rows)
         tokens = torch.cat([tokens, torch.where(new, chain, tokens[:1])])
         parents = torch.cat([parents, torch.where(new, slot_parents, 0)])
         depths = torch.cat([depths, torch.where(new, step + 1, 1)])
@@ -365,5 +372,17 @@ class TreeRecorder:
         return torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores), torch.cat(self.depths)
 
 
-__all__ = ["DraftTree", "TreeRecorder", "ancestor_matrix", "best_candidates", "flatten_tree", "flattened_tensors", "graft_chain_slots", "graft_chains", "ranking_scores",
-           "tree_columns"]
+__all__ = [
+    "DraftTree",
+    "TreeRecorder",
+    "ancestor_matrix",
+    "best_candidates",
+    "dummy_ancestors",
+    "flatten_tree",
+    "flattened_tensors",
+    "graft_chain_slots",
+    "graft_chains",
+    "ranking_scores",
+    "tree_columns",
+    "with_appended_nodes",
+]
