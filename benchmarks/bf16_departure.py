@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import transformers_jakiro  # noqa: F401  (installs the generate hook)
-from transformers_jakiro.decoding import loop as decoding
+from transformers_jakiro.decoding import row_rounds as decoding
 from transformers_jakiro.bench import load_draft
 from transformers_jakiro.demo import CODER_PROMPTS, PROMPTS, find_head
 from transformers_jakiro import tree_settings
@@ -66,7 +66,7 @@ def encode(tokenizer, text):
 
 
 class RoundRecorder:
-    """Wraps `loop.verify_tree` to keep each round's tree, cache length, accepted path and raw logits."""
+    """Wraps `row_rounds.verify_tree` to keep each round's tree, cache length, accepted path and raw logits."""
 
     def __init__(self):
         self.rounds, self.prompt_length, self._original = [], 0, None

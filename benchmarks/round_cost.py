@@ -113,12 +113,17 @@ _OLD_NAMES = {"drafter": "drafting"}
 
 
 def decoding_loop():
-    """The module of the decoding loop: `transformers_jakiro.decoding.loop`, or `transformers_jakiro.decoding` in
-    trees from before the `decoding/` subpackage (before/after runs import an older tree by PYTHONPATH)."""
+    """The module that looks up one row's round functions (`lazy_leaf_head`, the compiled rounds):
+    `transformers_jakiro.decoding.row_rounds`; in older trees `transformers_jakiro.decoding.loop`, or before the
+    `decoding/` subpackage `transformers_jakiro.decoding` (before/after runs import an older tree by PYTHONPATH)."""
     import importlib
+    import importlib.util
 
     module = importlib.import_module("transformers_jakiro.decoding")
-    return importlib.import_module("transformers_jakiro.decoding.loop") if hasattr(module, "__path__") else module
+    if not hasattr(module, "__path__"):
+        return module
+    name = "row_rounds" if importlib.util.find_spec("transformers_jakiro.decoding.row_rounds") else "loop"
+    return importlib.import_module(f"transformers_jakiro.decoding.{name}")
 
 
 @contextlib.contextmanager

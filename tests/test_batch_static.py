@@ -10,7 +10,7 @@ from transformers import CompileConfig
 from test_batch import random_batch
 from tiny_models import ARCHS, trained_pairs
 from transformers_jakiro import tree_settings
-from transformers_jakiro.decoding import batch_loop
+from transformers_jakiro.decoding import batch_rounds as batch_loop
 
 
 @pytest.fixture(scope="module")

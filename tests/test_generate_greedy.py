@@ -227,7 +227,7 @@ def test_stats_are_consistent(pairs):
 def test_lazy_leaf_logits_match_the_full_logits_path(pairs, monkeypatch):
     """On CPU only internal nodes get logits in the verify forward (a leaf's are computed if the path ends there);
     decoding with the full logits (the accelerator path) gives the same tokens, scores and logits."""
-    from transformers_jakiro.decoding import loop as decoding
+    from transformers_jakiro.decoding import row_rounds as decoding
 
     target, draft = pairs("qwen2")
     prompt = torch.tensor([[7, 8, 9, 10, 11]])

@@ -20,8 +20,8 @@ import torch
 from benchmark_scripts import load_script
 from tiny_models import make_target, quick_trained_draft
 from transformers_jakiro import tree_settings
-from transformers_jakiro.decoding import loop as decoding
-from transformers_jakiro.decoding import batch_loop
+from transformers_jakiro.decoding import row_rounds as decoding
+from transformers_jakiro.decoding import batch_rounds as batch_loop
 from transformers_jakiro.decoding.batch_drafter import BatchDrafter
 from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator
 

@@ -172,7 +172,7 @@ def test_generate_entry_point_samples_the_same_distribution(target_and_draft, mo
     `verify_round`; "static-compiled" runs it and `draft_round` compiled (inductor's random numbers)."""
     from transformers import CompileConfig
 
-    from transformers_jakiro.decoding import loop as decoding
+    from transformers_jakiro.decoding import row_rounds as decoding
 
     compile_kwargs = {}
     if cache_implementation == "static-compiled":

@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicCache
 from tiny_models import make_target, random_prompt, trained_pairs
 from transformers_jakiro import tree_settings
 from transformers_jakiro.decoding import verification
-from transformers_jakiro.decoding.loop import cache_kwarg
+from transformers_jakiro.decoding.target_inputs import cache_kwarg
 from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings
 from transformers_jakiro.decoding.kv_cache import keep_accepted, new_target_cache, truncate
 from transformers_jakiro.decoding.tree import DraftTree, ancestor_matrix

@@ -140,7 +140,7 @@ def test_lazy_leaf_logits_give_the_same_verdict():
 def test_verify_tree_returns_a_named_round():
     """`verify_tree` on a real tiny target: the named result's fields agree with each other and with the cache."""
     from tiny_models import make_target, quick_trained_draft
-    from transformers_jakiro.decoding.loop import VerifiedRound, cache_kwarg, verify_tree
+    from transformers_jakiro.decoding.row_rounds import VerifiedRound, cache_kwarg, verify_tree
     from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings
     from transformers_jakiro.decoding.kv_cache import new_target_cache
 

@@ -589,7 +589,7 @@ def _count_syncs_counted(target, draft, prompt, generate_kwargs: dict):
     tests/test_host_syncs.py holds), along the accelerator path (full logits, no lazy leaf head)."""
     import importlib.util
 
-    from transformers_jakiro.decoding import loop as decoding
+    from transformers_jakiro.decoding import row_rounds as decoding
     from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator
 
     spec = importlib.util.spec_from_file_location("round_cost", HERE.parent / "round_cost.py")

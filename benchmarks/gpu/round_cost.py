@@ -42,8 +42,8 @@ from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig, Logit
 from transformers_jakiro import JakiroDraftModel
 from transformers_jakiro.decoding.round_controller import batch_tree
 from transformers_jakiro.decoding.batch_drafter import BatchDrafter
-from transformers_jakiro.decoding.batch_loop import BatchVerifier
-from transformers_jakiro.decoding.loop import verify_tree
+from transformers_jakiro.decoding.batch_rounds import BatchVerifier
+from transformers_jakiro.decoding.row_rounds import verify_tree
 from transformers_jakiro.decoding.static_verify import compiled_verify_round, verify_fixed_round
 from transformers_jakiro.decoding.target_inputs import cache_kwarg
 from transformers_jakiro.decoding.drafter import JakiroCandidateGenerator, TreeSettings, compiled_draft_round

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import LogitsProcessorList
 
-from ..decoding.loop import lazy_leaf_head, verify_tree
+from ..decoding.row_rounds import lazy_leaf_head, verify_tree
 from ..decoding.target_inputs import cache_kwarg
 from ..decoding.drafter import JakiroCandidateGenerator, TreeSettings
 from ..features import TargetFeatures

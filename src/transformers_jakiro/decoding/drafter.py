@@ -215,7 +215,7 @@ class JakiroCandidateGenerator:
 
     Not a transformers `CandidateGenerator`, on purpose: that contract returns one linear chain of candidate ids (and
     their logits) for `_assisted_decoding` to verify, and a token tree cannot be expressed that way; the tree goes to
-    `loop.verify_tree` instead, and transformers' assisted loop never sees this class.
+    `row_rounds.verify_tree` instead, and transformers' assisted loop never sees this class.
 
     The draft's KV cache holds the accepted context: draft position t has read (f_t, x_{t+1}), the target's hidden
     state at t and the next token. `observe` hands over the target hidden states of newly accepted positions;

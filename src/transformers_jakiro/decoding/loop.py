@@ -1,13 +1,15 @@
-"""The Jakiro decoding loop: prefill, then draft-verify rounds until a stopping criterion fires.
+"""The Jakiro decoding loop, one for every batch size: prefill, then rounds until every row has stopped.
 
-One round: the draft expands a token tree (`drafter.JakiroCandidateGenerator`); the target verifies the whole tree
-in one forward with a tree attention mask (`verify_tree`); the acceptance rule (`verification.verify`) keeps the
-longest path that agrees with the target plus one bonus token; both caches are cut back to the accepted path.
+A round: the round controller chooses what the rows verify (a plain step, lookup chains alone, a smaller tree or the
+configured one); the rows' rounds (`row_rounds.RowRounds` for a batch of one, `batch_rounds.BatchRounds` for B > 1)
+draft, verify in one target forward and hand back each row's new tokens; the loop appends them, checks the stopping
+criteria after every token (an EOS or a stop string may sit inside an accepted path), and finished rows leave.
 
 `jakiro_decode` is the loop that both entry points run (see `generation.py` for the `assistant_model` route);
 `jakiro_generate` is the public `custom_generate` entry point.
 """
 
+import dataclasses
 import inspect
 import time
 
@@ -15,217 +17,26 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from . import round_controller, verification
-from .static_verify import compiled_verify_round, verify_fixed_round, verify_round
-from .round_controller import RoundChoice
-from .batch_loop import batch_decode
-from .drafter import JakiroCandidateGenerator, TreeSettings, compiled_draft_round, draft_round
-from ..features import TargetFeatures
-from .kv_cache import is_static, keep_accepted, static_length, truncate
-from .logits import PREFIX_FREE_PROCESSORS, process_tree_logits
+from . import round_controller
+from .batch_rounds import BatchRounds
+from .drafter import TreeSettings
 from ..modeling_jakiro import JakiroDraftModel
-from .rope import deepest_level, rope_limits
+from .rope import deepest_level
+from .round_controller import RoundChoice
+from .row_rounds import RowRounds
 from ..stats import JakiroGenerationStats
-from .target_inputs import (
-    cache_kwarg,
-    check_generation_mode,
-    check_position_ids,
-    check_supported,
-    forward_accepts,
-    left_padding,
-    round_verdicts,
-    stop_verdicts,
-    target_cache,
-    verify_forward,
-)
-from .tree import DraftTree
-from .verification import VerifiedRound
+from .target_inputs import check_generation_mode, check_supported, stop_verdicts
+from .verification import RoundTokens
 
 
-def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor):
-    """The target's output layer, when leaf logits may be left to `verify_tree` to compute lazily; else None.
+@dataclasses.dataclass
+class _Row:
+    """One row of the batch: where it stands in the caller's batch and what it has so far."""
 
-    Most tree nodes are leaves, and a leaf's logits matter only when the accepted path ends there, so the target's
-    forward can keep logits for internal nodes only (`logits_to_keep` with node indices) and apply its output layer
-    to one leaf afterwards. The aim is to skip most of the lm_head rows of a verify forward on a CPU, where compute
-    grows with every row; but the leaf's one-row product reads the whole output matrix again, and on SmolLM2-135M
-    with 2 cores the two paths measured within noise of each other, on Qwen2.5-Coder-1.5B (a 151936-row output
-    layer) the lazy path was 0.79-1.00x the time (README). On an accelerator extra rows are nearly free and the
-    extra host sync is not, so the full logits are kept there. `last_hidden`/`last_logits` (the prefill's last
-    position) check that the output layer alone reproduces the model's logits: models that scale or soft-cap logits
-    after it keep the full path.
-    """
-    if last_hidden.device.type != "cpu" or not forward_accepts(target, "logits_to_keep"):
-        return None
-    head = target.get_output_embeddings()
-    if head is None:
-        return None
-    reproduced = head(last_hidden).float()
-    return head if torch.allclose(reproduced, last_logits.float(), rtol=1e-3, atol=1e-3) else None
-
-
-def _candidate_generator(target, draft, settings, cache, fixed_shape: bool, compiled: bool, generation_config):
-    """The draft side follows the target's: with a static cache and fixed shapes the draft gets a static cache too
-    (long enough for the target's positions plus a tree's levels and one read), and when the target's verify forward
-    is compiled so is the draft's round (`compiled_draft_round`), with the same `CompileConfig`."""
-    if not (is_static(cache) and fixed_shape):
-        return JakiroCandidateGenerator(draft, settings)
-    # the target's positions, then a tree's levels after `draft_round`'s read (padded to its read width)
-    length = static_length(cache) + settings.top_k * settings.depth + settings.max_levels + 1
-    round_fn = draft_round
-    if compiled:
-        round_fn = compiled_draft_round(generation_config.compile_config or target._default_compile_config())
-    return JakiroCandidateGenerator(draft, settings, static_length=length, round_fn=round_fn)
-
-
-def _prefill(target, sequence, mask, cache, cache_arg: str, feature_layers):
-    """The whole `sequence` ([1, length]) through the target into an empty cache, as plain generate's first step runs
-    it (`mask`: the padding mask, None without left padding, positions then counted from the first real token).
-    Returns the draft's features at every position and the last position's logits. Only the layers the draft reads are
-    kept (by hooks), not every layer's states: the prompt may be long."""
-    padded = {}
-    if mask is not None:
-        padded = dict(attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0))
-    with TargetFeatures(target, feature_layers) as hidden:
-        out = target(
-            input_ids=sequence,
-            **padded,
-            use_cache=True,
-            **hidden.forward_kwargs(),
-            **({"logits_to_keep": 1} if forward_accepts(target, "logits_to_keep") else {}),
-            **{cache_arg: cache},
-        )
-        return hidden.take(out), out.logits[:, -1]
-
-
-def verify_tree(
-    target,
-    cache,
-    cache_kwarg: str,
-    tree: DraftTree,
-    sequence,
-    processors,
-    do_sample: bool,
-    leaf_head=None,
-    padding=0,
-    past: int | None = None,
-    forward=None,
-    feature_layers=(),
-    verdicts=None,
-):
-    """One verification round: a single target forward over the whole tree (tree mask, positions = prefix length +
-    depth), per-node logits processing, acceptance, and the cache cut back to the accepted path. The first `padding`
-    cache positions hold the prompt's left padding: hidden from the tree, and not counted in its positions.
-
-    Returns a `VerifiedRound`. `sequence` ([1, length], ending with the root token) is what the logits processors
-    see as the prefix. `leaf_head` (from `lazy_leaf_head`): compute logits at internal nodes in the forward and at
-    most one leaf after. Host syncs: one copy of the path and its tokens, plus one in `process_tree_logits` when a
-    processor depends on the prefix (and, on the lazy-leaf path, the index of internal nodes and the leaf check).
-
-    With a StaticCache the tree is written at `past` (the layers' `cumulative_length`), the mask spans the whole
-    static length, and the accepted path is moved into place by index copies. `past`: the cached length when the
-    caller knows it (a StaticCache reports it as a device tensor, which would cost a sync to read). `forward`: the
-    callable that runs the target (a compiled `target.__call__`); the target itself by default. `feature_layers`: the
-    decoder layers whose outputs the draft reads besides the last hidden state (`config.target_feature_layers`).
-    `verdicts(tokens, scores)`: the stopping criteria's verdicts [w] (bool, on the device) after each of the round's
-    tokens, given them padded to a fixed width w ([w] ids, [w, vocab] scores; entries past the round's length are
-    placeholders, their verdicts ignored): read in the round's one copy into `VerifiedRound.stops`.
-    """
-    static = is_static(cache)
-    if past is None:
-        past = int(cache.get_seq_length())
-    forward = target if forward is None else forward
-    # A plain step's one node is its own leaf: its logits come from the forward, with no separate leaf head call.
-    internal = tree.internal_nodes() if leaf_head is not None and tree.num_nodes > 1 else None
-    if tree.num_nodes == 1 and not static:
-        # A plain step (the round controller's, or a lookup round that found no chain): the mask plain generate
-        # gives a one-token step, none or the 2D padding mask, so the target runs the same kernels as there.
-        mask = None
-        if padding:
-            mask = torch.ones(1, past + 1, dtype=torch.long, device=tree.tokens.device)
-            mask[:, :padding] = 0
-    else:
-        mask = tree.attention_mask(past, target.dtype, padding, kv_length=static_length(cache) if static else None)
-    with TargetFeatures(target, feature_layers) as hidden:
-        out = forward(
-            input_ids=tree.tokens[None],
-            position_ids=tree.position_ids(past - padding),
-            attention_mask=mask,
-            use_cache=True,
-            **hidden.forward_kwargs(),
-            **({} if internal is None else {"logits_to_keep": internal}),
-            **{cache_kwarg: cache},
-        )
-        features = hidden.take(out)[0]
-    raw = out.logits[0].float()
-    processed = process_tree_logits(processors, sequence, tree, raw, nodes=internal)
-    if tree.num_nodes == 1 and not static:
-        # A plain step: the root's pick is the round's one token and the cache already ends at the root, so there
-        # is no path to find and nothing to move (rounds the controller fills with plain steps run at plain speed).
-        bonus = verification.target_choices(processed, do_sample)
-        lookup_accepted = None if tree.from_lookup is None else 0
-        path = torch.zeros(1, dtype=torch.long, device=bonus.device)
-        if verdicts is None:
-            return VerifiedRound(path, bonus[0], bonus, bonus.tolist(), processed, raw, features, lookup_accepted)
-        host = torch.cat([bonus, verdicts(bonus, processed).long()]).tolist()  # the round's one copy
-        stops = [bool(v) for v in host[1:]]
-        return VerifiedRound(path, bonus[0], bonus, host[:1], processed, raw, features, lookup_accepted, stops)
-    leaf = {}
-
-    def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
-        last_hidden = features[node][None, ..., -leaf_head.weight.shape[1] :]  # after any fused layers' outputs
-        leaf["raw"] = leaf_head(last_hidden).float()
-        leaf["processed"] = process_tree_logits(processors, sequence, tree, leaf["raw"], nodes=node[None])
-        return leaf["processed"][0]
-
-    padded_path, bonus = verification.verify(tree, processed, do_sample, None if internal is None else leaf_logits)
-    # The round's one device-to-host copy: the padded path (its length) with the tokens along it and the bonus, the
-    # lookup count, and the stopping verdicts after each token.
-    padded_tokens = tree.tokens[padded_path.clamp(min=0)]
-    fetch = [padded_path, padded_tokens, bonus[None]]
-    if tree.from_lookup is not None:  # how many accepted nodes only the n-gram lookup proposed
-        fetch.append((tree.from_lookup[padded_path.clamp(min=0)] & (padded_path >= 0)).sum()[None])
-    width = padded_path.numel()
-    # Lazy-leaf path: `processed` holds internal nodes' rows only; each internal node's row there (-1 for leaves)
-    row = None
-    if internal is not None:
-        row = torch.full_like(tree.tokens, -1).index_copy_(
-            0, internal, torch.arange(internal.numel(), device=internal.device))
-    if verdicts is not None:
-        # The round's tokens padded to the path's width: token i is the draft token of path node i + 1, or the bonus
-        # at i = m - 1 (m: the path's length); their scores are the processed logits of path node i.
-        length = (padded_path >= 0).sum()
-        index = torch.arange(width, device=padded_path.device)
-        round_tokens = torch.where(index == length - 1, bonus, torch.cat([padded_tokens[1:], bonus[None]]))
-        rows = padded_path.clamp(min=0)
-        if row is not None:  # a leaf's row stands in as row 0 (its verdict is the leaf's, below, or ignored)
-            rows = row[rows].clamp(min=0)
-        round_scores = processed[rows]
-        if leaf:  # the path ends at a leaf: the bonus token's scores are the leaf's
-            round_scores = torch.where((index == length - 1)[:, None], leaf["processed"], round_scores)
-        fetch.append(verdicts(round_tokens, round_scores).long())
-    host = torch.cat(fetch).tolist()
-    stops = None
-    if verdicts is not None:
-        stops, host = host[-width:], host[:-width]
-    lookup_accepted = host.pop() if tree.from_lookup is not None else None
-    m = sum(node >= 0 for node in host[:width])
-    stops = None if stops is None else [bool(v) for v in stops[:m]]
-    path = padded_path[:m]
-    token_ids = host[width + 1 : width + m] + host[-1:]
-    tokens = torch.cat([padded_tokens[1:m], bonus[None]])
-    keep_accepted(cache, past, path)
-    if internal is None:
-        return VerifiedRound(
-            path, bonus, tokens, token_ids, processed[path], raw[path], features[path], lookup_accepted, stops
-        )
-
-    if leaf:  # every node of the path but the last is internal
-        rows = row[path[:-1]]
-        processed, raw = torch.cat([processed[rows], leaf["processed"]]), torch.cat([raw[rows], leaf["raw"]])
-    else:
-        processed, raw = processed[row[path]], raw[row[path]]
-    return VerifiedRound(path, bonus, tokens, token_ids, processed, raw, features[path], lookup_accepted, stops)
+    index: int  # row in the caller's batch
+    sequence: torch.LongTensor  # [1, length]: the row's padded prompt and its tokens so far
+    padding: int  # left padding
+    stats: JakiroGenerationStats
 
 
 @torch.no_grad()
@@ -240,159 +51,130 @@ def jakiro_decode(
     settings: TreeSettings | None = None,
     **model_kwargs,
 ):
-    """The decoding loop; `generate` has already prepared processors, stopping criteria and the config. A batch of
-    several rows goes to `batch_loop.batch_decode`."""
+    """The decoding loop (see the module docstring); `generate` has already prepared processors, stopping criteria
+    and the config."""
     check_supported(target, draft, input_ids, logits_processor, model_kwargs, generation_config)
-    if input_ids.shape[0] > 1:
-        return batch_decode(
-            target, input_ids, logits_processor, stopping_criteria, generation_config, draft, streamer, settings,
-            **model_kwargs,
-        )
     settings = settings or TreeSettings.resolve(draft)
-    do_sample = generation_config.do_sample
+    batch = input_ids.shape[0]
     want_dict = generation_config.return_dict_in_generate
     keep_scores = want_dict and generation_config.output_scores
     keep_logits = want_dict and generation_config.output_logits
-    scores, raw_logits = ([] if keep_scores else None), ([] if keep_logits else None)
-
-    # Left padding in a batch of one: as in plain generate, the target's cache holds the padded positions (so that a
-    # cache returned with return_dict_in_generate lines up with `sequences` and can be continued), nothing attends to
-    # them and positions continue after them; the draft reads the unpadded prompt only. The logits processors and
-    # stopping criteria see the full row, exactly as in plain generate.
-    padding = left_padding(model_kwargs.get("attention_mask"), input_ids.shape[1])
-    check_position_ids(model_kwargs.get("position_ids"), padding, input_ids.shape[1])
-
-    stats = JakiroGenerationStats()
+    scores, raw_logits = [], []  # per step, one row only (a batch refuses them)
     started = time.perf_counter()
-    target_device = target.get_input_embeddings().weight.device
-    sequence = input_ids.to(target_device)
-    cache = target_cache(target, model_kwargs, generation_config, settings.max_nodes)
-    cache_arg = cache_kwarg(target)
-    static = is_static(cache)
-    fixed_shape = static if settings.fixed_shape is None else bool(settings.fixed_shape)
-    forward = verify_forward(target, cache, generation_config) if static and fixed_shape else target
-    compiled = forward is not target
-    candidates = _candidate_generator(target, draft, settings, cache, fixed_shape, compiled, generation_config)
-    limits = rope_limits(target)  # position-dependent RoPE: rounds that would straddle a limit are plain steps
-    if limits is not None:
-        limits.refuse_unfollowable(generation_config.max_length, static)
-    # Fixed shapes over a static cache: a round is two fixed-shape functions, the draft's (`draft_round`) and this
-    # one, compiled whole when generate would compile. Processors that read the ids stay on `verify_tree`'s path.
-    verify_fn = None
-    if static and fixed_shape and all(type(p) in PREFIX_FREE_PROCESSORS for p in logits_processor):
-        config = generation_config.compile_config or target._default_compile_config()
-        verify_fn = compiled_verify_round(config) if compiled else verify_round
-        padding_t = torch.full((), padding, dtype=torch.long, device=target_device)  # one graph for every padding
+    stats = JakiroGenerationStats()
+    rounds_of = RowRounds if batch == 1 else BatchRounds
+    extra = {} if batch == 1 else {"streamer": streamer}
+    rounds = rounds_of(target, draft, settings, input_ids, logits_processor, generation_config, model_kwargs, stats,
+                       **extra)
+    device = target.get_input_embeddings().weight.device
+    rows = [_Row(i, input_ids[i : i + 1].to(device), rounds.paddings[i], JakiroGenerationStats()) for i in range(batch)]
+    if batch > 1:
+        stats.rows = [row.stats for row in rows]
 
-    def emit(
-        tokens: torch.LongTensor, token_ids: list[int], processed: torch.Tensor, raw: torch.Tensor, choice="prefill",
-        stops: list[bool] | None = None,
-    ) -> bool:
-        """Append a round's tokens ([m] on the device, `token_ids` on the host); True when generation ends. The m
-        stopping verdicts (`stop_verdicts`) come read with the round (`stops`), or are read here together (one
-        sync), and the round is cut after the first token that stops."""
-        nonlocal sequence
-        start = sequence.shape[1]
-        sequence = torch.cat([sequence, tokens[None].to(sequence.device)], dim=1)
-        if stops is None:
-            stops = stop_verdicts(stopping_criteria, sequence, start, processed, len(token_ids)).tolist()
-        count = stops.index(True) + 1 if True in stops else len(token_ids)
-        sequence = sequence[:, : start + count]
-        if keep_scores:  # copies: a fixed-shape round's logits live in buffers that the next round reuses
-            scores.extend(processed[i : i + 1].clone() for i in range(count))
-        if keep_logits:
-            raw_logits.extend(raw[i : i + 1].clone() for i in range(count))
-        if streamer is not None:
-            streamer.put(torch.tensor(token_ids[:count]))
-        stats.record(count, choice)
-        return True in stops
+    def emit(result: RoundTokens, choice: str) -> set[int]:
+        """Append each row's new tokens, cut after its first stop; returns the rows that finished. The stopping
+        verdicts come read with the round (`result.stops`), or are read here for the whole batch (one sync)."""
+        starts = [row.sequence.shape[1] for row in rows]
+        for row, tokens in zip(rows, result.tokens):
+            row.sequence = torch.cat([row.sequence, tokens[None].to(row.sequence.device)], dim=1)
+        row_stops = result.stops
+        if row_stops is None:
+            verdicts = [
+                stop_verdicts(stopping_criteria, row.sequence, start, row_scores, len(ids))
+                for row, start, row_scores, ids in zip(rows, starts, result.scores, result.token_ids)
+            ]
+            flat, row_stops, at = torch.cat(verdicts).tolist(), [], 0
+            for ids in result.token_ids:
+                row_stops.append(flat[at : at + len(ids)])
+                at += len(ids)
+        done, added = set(), 0
+        for r, (row, ids, stops) in enumerate(zip(rows, result.token_ids, row_stops)):
+            count = stops.index(True) + 1 if True in stops else len(ids)
+            row.sequence = row.sequence[:, : starts[r] + count]
+            if keep_scores:  # copies: a fixed-shape round's logits live in buffers that the next round reuses
+                scores.extend(result.scores[r][i : i + 1].clone() for i in range(count))
+            if keep_logits:
+                raw_logits.extend(result.raw[r][i : i + 1].clone() for i in range(count))
+            if streamer is not None:
+                streamer.put(torch.tensor(ids[:count]))
+            row.stats.record(count, choice)
+            added += count
+            if True in stops:
+                done.add(r)
+        stats.record(added, choice)
+        return done
 
-    # Prefill: the prompt through the target, the first token from its last position.
-    tic = time.perf_counter()
-    mask = None if not padding else model_kwargs["attention_mask"].to(target_device)
-    features, last_logits = _prefill(target, sequence, mask, cache, cache_arg, draft.config.target_feature_layers)
-    raw = last_logits.float()
-    processed = logits_processor(sequence, raw.clone())
-    first = verification.target_choices(processed, do_sample)
-    # the prompt and the first token, once (read to the host only for the n-gram lookup); rounds add their own
-    candidates.observe(features[0, padding:], torch.cat([sequence[0, padding:], first.to(sequence.device)]))
-    # The lazy leaf path keeps logits for a data-dependent set of nodes: a shape that changes every round.
-    last_hidden = features[:, -1, -draft.config.hidden_size :]
-    leaf_head = None if fixed_shape else lazy_leaf_head(target, last_hidden, last_logits)
-    del features
-    stats.verify_time_s += time.perf_counter() - tic
-    finished = emit(first, first.tolist(), processed, raw)
+    done = emit(rounds.prefill([row.sequence for row in rows]), "prefill")
+    finished: dict[int, torch.LongTensor] = {}
+    limits = rounds.limits  # position-dependent RoPE: rounds that would straddle a limit are plain steps
+    controller = round_controller.controller_for(
+        target, draft, rounds.settings, rounds.static, rounds.fixed_shape, batch_size=batch,
+        do_sample=generation_config.do_sample,
+    )
+    while True:
+        active = [r for r in range(len(rows)) if r not in done]
+        for r in done:
+            finished[rows[r].index] = rows[r].sequence
+        if not active:
+            break
+        if len(active) < len(rows):  # finished rows leave the batch
+            rounds.select(active)
+            rows = [rows[r] for r in active]
 
-    controller = round_controller.controller_for(target, draft, settings, static, fixed_shape, do_sample=do_sample)
-    while not finished:
-        tic = round_started = time.perf_counter()
-        choice = controller.choose(*candidates.signals())
-        root = sequence.shape[1] - 1  # the root's index in the sequence (left padding included)
-        if limits is not None and not limits.allows(root, root + deepest_level(choice, settings), padding):
-            choice = RoundChoice("plain")
-        if limits is not None and limits.recompute_at == root:
-            # The target's own generate recomputes the whole sequence at this step (Phi-3 at the longrope boundary):
-            # so does this loop, as a plain step (`rope.recompute_index`).
-            candidates.get_candidates(sequence[:, padding:], choice)  # a plain step's bookkeeping on the draft side
-            truncate(cache, 0)
-            whole = None if mask is None else torch.cat([mask, mask.new_ones(1, root + 1 - mask.shape[1])], dim=1)
-            features, last_logits = _prefill(target, sequence, whole, cache, cache_arg, draft.config.target_feature_layers)
-            raw = last_logits.float()
-            processed = logits_processor(sequence, raw.clone())
-            token = verification.target_choices(processed, do_sample)
-            stats.verify_time_s += time.perf_counter() - tic
-            token_ids = token.tolist()
-            finished = emit(token, token_ids, processed, raw, "plain")
-            candidates.observe(features[0, -1:], token_ids)
-            continue
-        tree = candidates.get_candidates(sequence[:, padding:], choice).to_device(target_device)
-        if fixed_shape:
-            tree = tree.padded(round_controller.padded_size(choice, settings))
-        stats.draft_time_s += time.perf_counter() - tic
-
-        tic = time.perf_counter()
-        past = sequence.shape[1] - 1  # the cache holds everything but the root, the last accepted token
-        def verdicts(round_tokens, round_scores, prefix=sequence):
-            return round_verdicts(stopping_criteria, prefix, round_tokens, round_scores)
-
-        if verify_fn is not None:  # every round's path padded to one width: the deepest any tree can be
-            verified = verify_fixed_round(
-                verify_fn, target, cache, cache_arg, tree, padding_t, logits_processor, do_sample,
-                draft.config.target_feature_layers, verdicts, lookup=settings.lookup_tokens > 0,
-                levels=settings.max_levels,
-            )
-        else:
-            verified = verify_tree(
-                target, cache, cache_arg, tree, sequence, logits_processor, do_sample, leaf_head, padding, past,
-                forward, draft.config.target_feature_layers, verdicts,
-            )
-        stats.verify_time_s += time.perf_counter() - tic
-        finished = emit(verified.tokens, verified.token_ids, verified.processed, verified.raw, choice.name,
-                        verified.stops)
-        seconds = time.perf_counter() - round_started - candidates.catch_up_s
-        chain_tokens = verified.lookup_accepted or 0
-        controller.record(choice, len(verified.token_ids), seconds, chain_tokens, candidates.catch_up_s)
-        if verified.lookup_accepted is not None:
+        round_started = time.perf_counter()
+        choice = controller.choose(*rounds.signals())
+        if limits is not None:
+            deepest = deepest_level(choice, rounds.settings)
+            roots = [(row.sequence.shape[1] - 1, row.padding) for row in rows]  # each root's index in its sequence
+            if not all(limits.allows(root, root + deepest, padding) for root, padding in roots):
+                choice = RoundChoice("plain")
+        result = rounds.round(choice, [row.sequence for row in rows], stopping_criteria)
+        done = emit(result, result.name or choice.name)
+        accepted = [a for a in result.lookup_accepted or () if a is not None]
+        if accepted:
             stats.lookup_rounds += 1
-            stats.lookup_accepted += verified.lookup_accepted
-        candidates.observe(verified.features, verified.token_ids, verified.lookup_accepted)
+            stats.lookup_accepted += sum(accepted)
+        if result.measured:
+            mean_tokens = sum(len(ids) for ids in result.token_ids) / len(result.token_ids)
+            mean_chain = sum(accepted) / len(result.token_ids)
+            seconds = time.perf_counter() - round_started - rounds.catch_up_s
+            controller.record(choice, mean_tokens, seconds, mean_chain, rounds.catch_up_s)
 
-    truncate(cache, sequence.shape[1] - 1)  # a stop inside an accepted path leaves extra positions
+    sequences = [finished[i] for i in range(batch)]
+    rounds.finish(sequences)
     round_controller.remember(controller, draft)
     if streamer is not None:
         streamer.end()
     stats.total_time_s = time.perf_counter() - started
     draft.last_generation_stats = stats
-
+    output = _padded_output(sequences, generation_config)
     if not want_dict:
-        return sequence
-    output = GenerateDecoderOnlyOutput(
-        sequences=sequence,
+        return output
+    if batch > 1:  # the batch's cache holds holes and no finished rows: it cannot be continued, none is returned
+        return GenerateDecoderOnlyOutput(sequences=output)
+    result = GenerateDecoderOnlyOutput(
+        sequences=output,
         scores=tuple(scores) if keep_scores else None,
         logits=tuple(raw_logits) if keep_logits else None,
     )
-    output["cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"] = cache
-    return output
+    result["cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"] = rounds.cache
+    return result
+
+
+def _padded_output(sequences: list, generation_config: GenerationConfig) -> torch.LongTensor:
+    """The rows in the caller's order, each padded on the right with `pad_token_id` to the longest, as plain
+    generate pads rows that finished early."""
+    longest = max(sequence.shape[1] for sequence in sequences)
+    if all(sequence.shape[1] == longest for sequence in sequences):
+        return torch.cat(sequences)
+    pad = generation_config._pad_token_tensor
+    if pad is None:
+        raise ValueError("Rows of a batch finished at different lengths and no pad_token_id is set to fill them: set "
+                         "pad_token_id (plain generate needs it for batches too).")
+    return torch.cat([
+        torch.cat([sequence, pad.to(sequence).reshape(1, 1).expand(1, longest - sequence.shape[1])], dim=1)
+        for sequence in sequences
+    ])
 
 
 def _streamer_of_running_generate(model):
@@ -483,12 +265,4 @@ def refuse_synced_gpus(synced_gpus: bool) -> None:
         )
 
 
-__all__ = [
-    "JakiroGenerationStats",
-    "VerifiedRound",
-    "jakiro_decode",
-    "jakiro_generate",
-    "lazy_leaf_head",
-    "refuse_synced_gpus",
-    "verify_tree",
-]
+__all__ = ["jakiro_decode", "jakiro_generate", "refuse_synced_gpus"]

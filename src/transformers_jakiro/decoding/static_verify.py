@@ -1,6 +1,6 @@
 """The verification round over a static cache as one fixed-shape function, `verify_round`, compiled whole beside the
 draft's `drafter.draft_round`: with both, a round is two graph calls and one host read (docs/design.md, section 2,
-"Fixed shapes"). The dynamic-cache round, with data-dependent shapes, is `loop.verify_tree`.
+"Fixed shapes"). The dynamic-cache round, with data-dependent shapes, is `row_rounds.verify_tree`.
 """
 
 import torch

@@ -1,5 +1,5 @@
 """What the decoding loops take from `generate`, checked: the target and its attention backend, the model inputs,
-left padding, the target's cache. Shared by the one-sequence loop (`decoding/loop.py`) and the batch loop (`decoding/batch_loop.py`).
+left padding, the target's cache. Shared by one row's rounds (`row_rounds.py`) and a batch's (`batch_rounds.py`).
 """
 
 import inspect

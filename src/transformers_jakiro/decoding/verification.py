@@ -112,4 +112,24 @@ class VerifiedRound:
     stops: list[bool] | None = None
 
 
-__all__ = ["VerifiedRound", "accept", "path_nodes", "target_choices", "verify"]
+@dataclass
+class RoundTokens:
+    """What one round added to each current row, for the decoding loop (lists in the rows' order; tensors on the
+    target's device). A row's m new tokens: `tokens` [m], `token_ids` the same on the host, `scores` [m, vocab] their
+    processed logits, `raw` [m, vocab] their raw logits (None where the rounds do not keep them: batches).
+    `stops`: per row whether generation stops after each of its tokens, when read with the round (else None, or None
+    for the row). `lookup_accepted`: per row its accepted nodes that only the n-gram lookup proposed (None without
+    lookup nodes). `name`: what the round verified (`round_controller.RoundChoice.name`) when not the choice's own.
+    `measured`: False for a round the round controller must not learn from (Phi-3's whole-sequence recomputation)."""
+
+    tokens: list
+    token_ids: list
+    scores: list
+    raw: list | None = None
+    stops: list | None = None
+    lookup_accepted: list | None = None
+    name: str | None = None
+    measured: bool = True
+
+
+__all__ = ["RoundTokens", "VerifiedRound", "accept", "path_nodes", "target_choices", "verify"]

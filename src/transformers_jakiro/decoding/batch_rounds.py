@@ -1,4 +1,5 @@
-"""Batches: tree speculative decoding of B > 1 rows in one `generate` call, every row exactly as if decoded alone.
+"""A batch's rounds: tree speculative decoding of B > 1 rows in one `generate` call, every row exactly as if decoded
+alone. `loop.jakiro_decode` runs these rounds (`BatchRounds`), the same loop that runs one row's (`row_rounds`).
 
 Each row drafts its own tree (`batch_drafter.BatchDrafter`: one draft forward per level for all rows), the target
 verifies every row's tree in one forward (trees padded to one size with never-accepted dummy nodes, per-row 4D tree
@@ -33,8 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers import GenerationConfig
 
 from . import round_controller, verification
 from .round_controller import RoundChoice
@@ -43,14 +43,13 @@ from .drafter import TreeSettings
 from ..features import TargetFeatures
 from .kv_cache import drop_hole_columns, is_static, keep_accepted_rows, pack_present, select_rows, static_length, truncate
 from .logits import process_tree_logits, processors_for_row
-from ..modeling_jakiro import JakiroDraftModel
-from .rope import deepest_level, refuse_batch_across, rope_limits
+from .rope import refuse_batch_across, rope_limits
 from ..stats import JakiroGenerationStats
 from .target_inputs import (
-    cache_kwarg, check_position_ids, forward_accepts, left_paddings, round_verdicts, stop_verdicts, target_cache,
-    verify_forward,
+    cache_kwarg, check_position_ids, forward_accepts, left_paddings, round_verdicts, target_cache, verify_forward,
 )
 from .tree import DraftTree
+from .verification import RoundTokens
 
 
 def _check_batch_supported(generation_config: GenerationConfig, cache, streamer) -> None:
@@ -71,17 +70,7 @@ def _check_batch_supported(generation_config: GenerationConfig, cache, streamer)
         raise ValueError("Streamers take one sequence; transformers' streamers refuse batches too. Stream one row at a time.")
 
 
-@dataclasses.dataclass
-class _Row:
-    """One row of the batch: where it stands in the output and in the current batch."""
-
-    index: int  # row in the caller's batch
-    sequence: torch.LongTensor  # [1, length]: the row's padded prompt and its tokens so far
-    processors: LogitsProcessorList
-    stats: JakiroGenerationStats
-
-
-def _batch_tree_settings(settings: TreeSettings, batch: int) -> TreeSettings:
+def batch_tree_settings(settings: TreeSettings, batch: int) -> TreeSettings:
     total, depth, top_k = round_controller.batch_tree(settings.total_tokens, settings.depth, settings.top_k, batch)
     lookup = round_controller.batch_lookup_tokens(settings.lookup_tokens, batch)
     return dataclasses.replace(settings, total_tokens=total, depth=depth, top_k=top_k, lookup_tokens=lookup)
@@ -253,171 +242,102 @@ class BatchVerifier:
         return verdict
 
 
-@torch.no_grad()
-def batch_decode(
-    target,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    draft: JakiroDraftModel,
-    streamer=None,
-    settings: TreeSettings | None = None,
-    **model_kwargs,
-):
-    """The decoding loop for a batch (see the module docstring); the inputs are checked as for one row
-    (`target_inputs.check_supported`) before this is called."""
-    settings = _batch_tree_settings(settings or TreeSettings.resolve(draft), input_ids.shape[0])
-    cache = target_cache(target, model_kwargs, generation_config, settings.max_nodes)
-    _check_batch_supported(generation_config, cache, streamer)
-    static = is_static(cache)
-    fixed_shape = static if settings.fixed_shape is None else bool(settings.fixed_shape)
-    forward = verify_forward(target, cache, generation_config) if static and fixed_shape else target
-    batch, length = input_ids.shape
-    attention_mask = model_kwargs.get("attention_mask")
-    paddings = left_paddings(attention_mask, batch, length)
-    check_position_ids(model_kwargs.get("position_ids"), paddings, length)
-    limits = rope_limits(target)  # position-dependent RoPE: rounds that would reach it are plain steps
-    refuse_batch_across(limits, generation_config.max_length, paddings)
-    do_sample = generation_config.do_sample
-    device = target.get_input_embeddings().weight.device
-    input_ids = input_ids.to(device)
-    started = time.perf_counter()
-    rows = [
-        _Row(i, input_ids[i : i + 1], processors_for_row(logits_processor, i), JakiroGenerationStats())
-        for i in range(batch)
-    ]
-    stats = JakiroGenerationStats(rows=[row.stats for row in rows])
-    finished: dict[int, torch.LongTensor] = {}
+class BatchRounds:
+    """The rounds of a batch (see the module docstring), for `loop.jakiro_decode`: `prefill`, then one `round` per
+    choice of the round controller, each returning every current row's new tokens (`RoundTokens`); `select` keeps the
+    rows that have not finished. `settings`: the batch's tree (the configured tree's node budget shared by the rows)."""
 
-    # Prefill: the padded prompts in one forward, as in plain generate.
-    tic = time.perf_counter()
-    key_mask = (torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)).bool()
-    positions = (key_mask.long().cumsum(1) - 1).clamp(min=0)
-    with TargetFeatures(target, draft.config.target_feature_layers) as hidden:
-        out = target(
-            input_ids=input_ids, attention_mask=key_mask.long(), position_ids=positions, use_cache=True,
-            **hidden.forward_kwargs(), **({"logits_to_keep": 1} if forward_accepts(target, "logits_to_keep") else {}),
-            **{cache_kwarg(target): cache},
-        )
-        features = hidden.take(out)
-    raw = out.logits[:, -1].float()
-    del out
-    processed = logits_processor(input_ids, raw.clone())
-    first = verification.target_choices(processed, do_sample)
-    first_ids = first.tolist()
-    drafter = BatchDrafter(draft, settings, batch)
-    for r, start in enumerate(paddings):  # the draft reads real positions only: left padding never enters its cache
-        context = torch.cat([input_ids[r, start:], first[r : r + 1]])
-        drafter.observe(r, features[r, start:], context[1:], context)
-    del features
-    verifier = BatchVerifier(target, cache, key_mask, draft.config.target_feature_layers, forward)
-    stats.verify_time_s += time.perf_counter() - tic
-    done = _emit(rows, [first[r : r + 1] for r in range(batch)], [[t] for t in first_ids],
-                 [processed[r : r + 1] for r in range(batch)], stopping_criteria, "prefill", stats)
-    roots = first
+    def __init__(self, target, draft, settings: TreeSettings, input_ids, logits_processor, generation_config,
+                 model_kwargs: dict, stats: JakiroGenerationStats, streamer=None):
+        batch, length = input_ids.shape
+        self.target, self.draft, self.stats = target, draft, stats
+        self.settings = settings = batch_tree_settings(settings, batch)
+        self.cache = target_cache(target, model_kwargs, generation_config, settings.max_nodes)
+        _check_batch_supported(generation_config, self.cache, streamer)
+        self.static = is_static(self.cache)
+        self.fixed_shape = self.static if settings.fixed_shape is None else bool(settings.fixed_shape)
+        self.forward = verify_forward(target, self.cache, generation_config) if self.static and self.fixed_shape else target
+        self.attention_mask = model_kwargs.get("attention_mask")
+        self.paddings = left_paddings(self.attention_mask, batch, length)
+        check_position_ids(model_kwargs.get("position_ids"), self.paddings, length)
+        self.limits = rope_limits(target)  # position-dependent RoPE: rounds that would reach it are plain steps
+        refuse_batch_across(self.limits, generation_config.max_length, self.paddings)
+        self.do_sample = generation_config.do_sample
+        self.device = target.get_input_embeddings().weight.device
+        self.logits_processor = logits_processor
+        self.processors = [processors_for_row(logits_processor, i) for i in range(batch)]
+        self.drafter = BatchDrafter(draft, settings, batch)
+        self.verifier = None  # after the prefill
 
-    controller = round_controller.controller_for(
-        target, draft, settings, static, fixed_shape, batch_size=batch, do_sample=do_sample
-    )
-    while True:
-        active = [r for r in range(len(rows)) if r not in done]
-        for r in done:
-            finished[rows[r].index] = rows[r].sequence
-        if not active:
-            break
-        if len(active) < len(rows):  # finished rows leave the batch
-            index = torch.tensor(active, device=roots.device)  # one upload for the three selections
-            verifier.select(active, index)
-            drafter.select(active, index)
-            roots = roots[index]
-            rows = [rows[r] for r in active]
+    @property
+    def catch_up_s(self) -> float:
+        return self.drafter.catch_up_s
 
-        tic = round_started = time.perf_counter()
-        choice = controller.choose(*drafter.signals())
-        if limits is not None:
-            deepest = deepest_level(choice, settings)
-            roots_at = [(row.sequence.shape[1] - 1, paddings[row.index]) for row in rows]  # each root's index
-            if not all(limits.allows(root, root + deepest, padding) for root, padding in roots_at):
-                choice = RoundChoice("plain")
-        trees, name = drafter.propose(roots, choice)
-        trees = [tree.to_device(device) for tree in trees]
-        stats.draft_time_s += time.perf_counter() - tic
+    def signals(self):
+        return self.drafter.signals()
+
+    def prefill(self, sequences) -> RoundTokens:
+        """The padded prompts in one forward, as in plain generate; each row's first token from its last position.
+        The draft reads real positions only: left padding never enters its cache."""
+        tic = time.perf_counter()
+        target, device = self.target, self.device
+        input_ids = torch.cat(sequences)
+        mask = self.attention_mask
+        key_mask = (torch.ones_like(input_ids) if mask is None else mask.to(device)).bool()
+        positions = (key_mask.long().cumsum(1) - 1).clamp(min=0)
+        feature_layers = self.draft.config.target_feature_layers
+        with TargetFeatures(target, feature_layers) as hidden:
+            out = target(
+                input_ids=input_ids, attention_mask=key_mask.long(), position_ids=positions, use_cache=True,
+                **hidden.forward_kwargs(),
+                **({"logits_to_keep": 1} if forward_accepts(target, "logits_to_keep") else {}),
+                **{cache_kwarg(target): self.cache},
+            )
+            features = hidden.take(out)
+        raw = out.logits[:, -1].float()
+        del out
+        processed = self.logits_processor(input_ids, raw.clone())
+        first = verification.target_choices(processed, self.do_sample)
+        for r, start in enumerate(self.paddings):
+            context = torch.cat([input_ids[r, start:], first[r : r + 1]])
+            self.drafter.observe(r, features[r, start:], context[1:], context)
+        del features
+        self.verifier = BatchVerifier(target, self.cache, key_mask, feature_layers, self.forward)
+        self.roots = first
+        self.stats.verify_time_s += time.perf_counter() - tic
+        rows = range(len(sequences))
+        return RoundTokens([first[r : r + 1] for r in rows], [[t] for t in first.tolist()],
+                           [processed[r : r + 1] for r in rows])
+
+    def select(self, rows: list[int]) -> None:
+        """Keep these rows (indices into the current batch), in this order: finished rows leave the batch."""
+        index = torch.tensor(rows, device=self.roots.device)  # one upload for the three selections
+        self.verifier.select(rows, index)
+        self.drafter.select(rows, index)
+        self.roots = self.roots[index]
+        self.processors = [self.processors[r] for r in rows]
+
+    def round(self, choice: RoundChoice, sequences, stopping_criteria) -> RoundTokens:
+        """One round of `choice` for every current row (`sequences[r]`: [1, length], ending with its root)."""
+        tic = time.perf_counter()
+        trees, name = self.drafter.propose(self.roots, choice)
+        trees = [tree.to_device(self.device) for tree in trees]
+        self.stats.draft_time_s += time.perf_counter() - tic
 
         tic = time.perf_counter()
-        size = round_controller.padded_size(choice, settings) if fixed_shape else None
-        verdict = verifier.verify(trees, [row.sequence for row in rows], [row.processors for row in rows], do_sample,
-                                  stopping_criteria, size)
-        paths, new_tokens, token_ids = verdict.paths, verdict.tokens, verdict.token_ids
-        roots = torch.stack([tokens_r[-1] for tokens_r in new_tokens])
-        stats.verify_time_s += time.perf_counter() - tic
+        size = round_controller.padded_size(choice, self.settings) if self.fixed_shape else None
+        verdict = self.verifier.verify(trees, sequences, self.processors, self.do_sample, stopping_criteria, size)
+        self.roots = torch.stack([tokens[-1] for tokens in verdict.tokens])
+        self.stats.verify_time_s += time.perf_counter() - tic
+        for r, path in enumerate(verdict.paths):
+            self.drafter.observe(r, verdict.features[r, path], verdict.tokens[r], verdict.token_ids[r],
+                                 verdict.lookup_accepted[r])
+        return RoundTokens(verdict.tokens, verdict.token_ids, verdict.scores, None, verdict.stops,
+                           verdict.lookup_accepted, name)
 
-        done = _emit(rows, new_tokens, token_ids, verdict.scores, stopping_criteria, name, stats, verdict.stops)
-        for r, path in enumerate(paths):
-            if r not in done:
-                drafter.observe(r, verdict.features[r, path], new_tokens[r], token_ids[r], verdict.lookup_accepted[r])
-        mean_tokens = sum(len(ids) for ids in token_ids) / len(token_ids)
-        mean_chain = sum(accepted or 0 for accepted in verdict.lookup_accepted) / len(token_ids)
-        seconds = time.perf_counter() - round_started - drafter.catch_up_s
-        controller.record(choice, mean_tokens, seconds, mean_chain, drafter.catch_up_s)
-
-    round_controller.remember(controller, draft)
-    stats.total_time_s = time.perf_counter() - started
-    draft.last_generation_stats = stats
-    sequences = _padded_output(finished, batch, generation_config)
-    if not generation_config.return_dict_in_generate:
-        return sequences
-    # The cache holds holes between each row's tokens and no entries for finished rows' padding: it cannot be
-    # continued as plain generate's can, so none is returned.
-    return GenerateDecoderOnlyOutput(sequences=sequences)
+    def finish(self, sequences) -> None:
+        """Nothing to cut: the cache holds holes between each row's tokens and no entries for finished rows' padding,
+        so it cannot be continued as plain generate's can, and none is returned."""
 
 
-def _emit(rows, new_tokens, token_ids, scores, stopping_criteria, choice: str, stats, row_stops=None) -> set[int]:
-    """Append each row's new tokens, checking the stopping criteria after every token (`row_stops`: the verdicts read
-    with the round; else one host read for the whole batch here); returns the rows that finished. Each row's tokens
-    after its first stop are dropped."""
-    starts = [row.sequence.shape[1] for row in rows]
-    for row, tokens in zip(rows, new_tokens):
-        row.sequence = torch.cat([row.sequence, tokens[None].to(row.sequence.device)], dim=1)
-    if row_stops is None:
-        verdicts = [
-            stop_verdicts(stopping_criteria, row.sequence, start, row_scores, len(ids))
-            for row, start, row_scores, ids in zip(rows, starts, scores, token_ids)
-        ]
-        flat = torch.cat(verdicts).tolist()
-        row_stops, at = [], 0
-        for ids in token_ids:
-            row_stops.append(flat[at : at + len(ids)])
-            at += len(ids)
-    done, added = set(), 0
-    for r, (row, ids) in enumerate(zip(rows, token_ids)):
-        stops = row_stops[r]
-        count = stops.index(True) + 1 if True in stops else len(ids)
-        row.sequence = row.sequence[:, : starts[r] + count]
-        row.stats.record(count, choice)
-        added += count
-        if True in stops:
-            done.add(r)
-    stats.record(added, choice)
-    return done
-
-
-def _padded_output(finished: dict, batch: int, generation_config: GenerationConfig) -> torch.LongTensor:
-    """The rows in the caller's order, each padded on the right with `pad_token_id` to the longest, as plain
-    generate pads rows that finished early."""
-    longest = max(sequence.shape[1] for sequence in finished.values())
-    pad = generation_config._pad_token_tensor
-    if pad is None and any(sequence.shape[1] < longest for sequence in finished.values()):
-        raise ValueError("Rows of a batch finished at different lengths and no pad_token_id is set to fill them: set "
-                         "pad_token_id (plain generate needs it for batches too).")
-    out = []
-    for i in range(batch):
-        sequence = finished[i]
-        fill = longest - sequence.shape[1]
-        if fill:
-            sequence = torch.cat([sequence, pad.to(sequence).reshape(1, 1).expand(1, fill)], dim=1)
-        out.append(sequence)
-    return torch.cat(out)
-
-
-__all__ = ["BatchVerdict", "BatchVerifier", "batch_decode"]
+__all__ = ["BatchRounds", "BatchVerdict", "BatchVerifier", "batch_tree_settings"]
