@@ -1,0 +1,334 @@
+"""Jakiro rounds inside transformers' continuous batching: concurrent requests share each target forward, every
+decoding request verifying its own tree in it.
+
+transformers' continuous batching (`transformers.generation.continuous_batching`) packs the queries of every scheduled
+request into one row (`cu_seq_lens_q`) over a paged KV cache; under `sdpa` the attention mask is a dense additive
+tensor with one block per request. A decoding request normally brings its last token. Here it brings its tree, root
+(its last token) first: the scheduler takes `tokens_to_process` as it is and gives the request a slot per node; after
+packing, the request's positions become prefix + depth and its mask block the tree's ancestor mask; the logits at
+every node (the model's `logits_to_keep` is turned off) go through the one-row acceptance rule
+(`decoding.verification.verify`); the accepted path's KV entries move to the front of the request's written slots,
+its length rolls back to the path (`position_offset`) and pages past it go back to the pool; its tokens are appended
+one by one with transformers' own check after each (EOS, `max_new_tokens`). Each request keeps its own drafter
+(`JakiroCandidateGenerator`: its own draft cache), fed with the target's features at its accepted nodes (its prompt's
+when its prefill ends, chunks included). Tree sizes shrink as more requests decode (`round_controller.batch_tree`), and
+requests take plain steps when the batch's token budget could not hold every tree.
+
+Nothing of transformers is patched. `JakiroContinuousBatchingManager` is transformers' manager; the batch processor it
+builds (by name, inside transformers) becomes a `JakiroBatchProcessor`, a subclass that adds the rounds. The private
+attributes this touches are checked before any work (`check_supported`), with a clear error on transformers versions
+that lay them out otherwise. Greedy decoding only, for now: sampling and logits processors are refused by name.
+"""
+
+import importlib.util
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager,
+    ContinuousBatchProcessor,
+)
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from .decoding import verification
+from .decoding.drafter import JakiroCandidateGenerator, TreeSettings
+from .decoding.round_controller import RoundChoice, batch_tree
+from .features import TargetFeatures
+from .stats import JakiroGenerationStats
+
+# What the rounds need of transformers' continuous batching (5.25's layout): checked by `check_supported`.
+_CACHE_ATTRIBUTES = ("cache_allocators",)
+_ALLOCATOR_ATTRIBUTES = ("get_write_indices", "_kv_token_views", "block_table", "pool", "ledger", "tokens_per_page")
+_IO_ATTRIBUTES = ("position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k", "attention_mask", "requests_in_batch")
+
+
+def check_supported(target, generation_config: GenerationConfig, cb_config: ContinuousBatchingConfig) -> None:
+    """Refuses, by name and before any work, what the rounds cannot do yet: a transformers version whose continuous
+    batching lays its paged cache out otherwise (before 5.25: no page allocators), sampling and logits processors,
+    attention without a dense mask (flash kernels are causal only), sliding-window layers, prefix sharing (rejected
+    nodes would be hashed as cached pages), async batching and CUDA graphs (they replay the inputs of a one-token
+    step)."""
+    if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
+        import transformers
+
+        raise RuntimeError(
+            f"Jakiro continuous batching needs transformers >= 5.25 (its paged cache's page allocators); this is "
+            f"{transformers.__version__}. Upgrade transformers, or serve one request at a time (jakiro serve without "
+            "--continuous-batching)."
+        )
+    if generation_config.do_sample:
+        raise ValueError(
+            "Jakiro continuous batching verifies greedy requests only for now (do_sample=False); sample with "
+            "`target.generate(..., assistant_model=draft)` one request at a time, or serve without the draft."
+        )
+    if target._get_logits_processor(generation_config):
+        raise ValueError(
+            "Jakiro continuous batching runs without logits processors for now (temperature, top-k/p, repetition "
+            "penalty...): leave them out of the generation config, or serve without the draft."
+        )
+    attention = target.config._attn_implementation
+    if attention not in ("sdpa", "eager", "paged|eager", "paged|sdpa"):
+        raise ValueError(
+            f"The target uses attn_implementation='{attention}'; a tree needs a dense attention mask, which only sdpa "
+            "and eager build in continuous batching. Load the target with attn_implementation='sdpa'."
+        )
+    layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(
+            f"Jakiro continuous batching supports full-attention layers only; this target has {sorted(layer_types)}."
+        )
+    wrong = {
+        "allow_block_sharing": cb_config.allow_block_sharing,
+        "use_async_batching": cb_config.use_async_batching,
+        "use_cuda_graph": cb_config.use_cuda_graph,
+    }
+    wrong = {name: value for name, value in wrong.items() if value}
+    if wrong:
+        raise ValueError(
+            f"Jakiro continuous batching needs {', '.join(f'{name}=False' for name in wrong)} in the "
+            "ContinuousBatchingConfig (prefix sharing would cache pages holding rejected nodes; async batching and CUDA "
+            "graphs replay a one-token step's inputs)."
+        )
+    if getattr(cb_config, "scheduler_type", "fifo") != "fifo":
+        raise ValueError("Jakiro continuous batching needs scheduler_type='fifo' (decoding requests scheduled first).")
+
+
+def jakiro_cb_config(**overrides) -> ContinuousBatchingConfig:
+    """A `ContinuousBatchingConfig` the rounds accept: prefix sharing, async batching and CUDA graphs off."""
+    values = dict(allow_block_sharing=False, use_async_batching=False, use_cuda_graph=False, auto_switch_to_flash=False)
+    values.update(overrides)
+    return ContinuousBatchingConfig(**values)
+
+
+class JakiroBatchProcessor(ContinuousBatchProcessor):
+    """transformers' batch processor with Jakiro rounds (see the module docstring). Made from the processor
+    transformers builds, by `attach`: its class is set to this one, its state kept."""
+
+    def attach(self, target, draft, settings: TreeSettings) -> None:
+        missing = [name for name in _CACHE_ATTRIBUTES if not hasattr(self.cache, name)]
+        missing += [name for name in _IO_ATTRIBUTES if not hasattr(self.inputs_and_outputs, name)]
+        for allocator in getattr(self.cache, "cache_allocators", {}).values():
+            missing += [name for name in _ALLOCATOR_ATTRIBUTES if not hasattr(allocator, name)]
+        if missing:
+            import transformers
+
+            raise RuntimeError(
+                f"Jakiro continuous batching does not know this transformers version's continuous batching layout "
+                f"({transformers.__version__}: no {', '.join(sorted(set(missing)))}); it is tested on transformers "
+                "5.25. Serve one request at a time (jakiro serve without --continuous-batching)."
+            )
+        self.target, self.draft, self.settings = target, draft, settings
+        self.feature_layers = draft.config.target_feature_layers
+        self.model_runner._model_supports_logits_to_keep = False  # logits at every node, not one per request
+        self.drafters: dict[str, JakiroCandidateGenerator] = {}
+        self.trees = {}  # request id -> (the tree it brings to the next forward, the round's name)
+        self.prefill_features: dict[str, list[torch.Tensor]] = {}  # chunks of a prompt whose prefill is split
+        self.request_stats: dict[str, JakiroGenerationStats] = {}  # per request: its rounds, as `generate`'s stats
+        self.finished_stats: dict[str, JakiroGenerationStats] = {}
+        self._logits = self._features = None
+
+    def prepare_next_batch(self) -> bool:
+        """transformers' packing, then each tree's positions (prefix + depth) and its block of the mask."""
+        if not super().prepare_next_batch():
+            return False
+        io = self.inputs_and_outputs
+        batch = io.requests_in_batch
+        if not any(future.state.request_id in self.trees for future in batch):
+            return True
+        starts_q = io.cumulative_seqlens_q[: len(batch) + 1].tolist()
+        ends_k = io.cumulative_seqlens_k["full_attention"][: len(batch) + 1].tolist()
+        mask = io.attention_mask["full_attention"]
+        for i, future in enumerate(batch):
+            tree, _ = self.trees.get(future.state.request_id, (None, None))
+            if tree is None:
+                continue
+            n, q0, k1 = tree.num_nodes, starts_q[i], ends_k[i + 1]
+            if future.query_length != n:
+                raise RuntimeError(f"A tree of {n} nodes was scheduled as {future.query_length} tokens.")
+            past = future.state.position_offset - n  # the packing advanced it by the whole tree
+            io.position_ids[q0 : q0 + n] = (past + tree.depths).to(io.position_ids.dtype)
+            block = torch.full((n, n), torch.finfo(mask.dtype).min, dtype=mask.dtype, device=mask.device)
+            mask[0, 0, q0 : q0 + n, k1 - n : k1] = block.masked_fill(tree.ancestors.to(mask.device), 0.0)
+        return True
+
+    @torch.no_grad()
+    def _generation_step(self, model) -> None:
+        """transformers' step, keeping the logits at every query and the draft's features (hooks)."""
+        with TargetFeatures(model, self.feature_layers) as hidden:
+            if hidden.decoder is None:
+                raise ValueError("Jakiro continuous batching needs a target with a decoder module to hook.")
+            handle = model.register_forward_hook(lambda module, args, output: setattr(self, "_logits", output.logits))
+            try:
+                super()._generation_step(model)
+            finally:
+                handle.remove()
+            self._features = hidden.take(None)[0]  # [queries, width]
+
+    def update_batch(self) -> None:
+        """Every request's new tokens: a prefill chunk's none, a plain step's one, a tree's accepted path and bonus
+        token; then each request still decoding drafts the tree it brings to the next forward."""
+        io = self.inputs_and_outputs
+        self._forget_gone()
+        batch, new_tokens, _ = io.prepare_batch_update()
+        starts = io.cumulative_seqlens_q[: len(batch) + 1].tolist()
+        logits_index, outputs, decoding = 0, [], []
+        for i, future in enumerate(batch):
+            state, rows = future.state, slice(starts[i], starts[i + 1])
+            request = state.request_id
+            if not future.has_new_token:  # a chunk of a split prefill
+                self.prefill_features.setdefault(request, []).append(self._features[rows])
+                continue
+            token = new_tokens[logits_index]
+            logits_index += 1
+            tree, name = self.trees.pop(request, (None, None))
+            if state.generated_len() == 0:  # the prefill ended: the first token, and the request's drafter
+                state.status = RequestStatus.DECODING
+                features = torch.cat([*self.prefill_features.pop(request, []), self._features[rows]])
+                tokens, drafter = [token], JakiroCandidateGenerator(self.draft, self.settings)
+                self.drafters[request] = drafter
+                self.request_stats[request] = JakiroGenerationStats()
+                drafter.observe(features, list(state.initial_tokens) + tokens)
+                name = "prefill"
+            elif tree is None:  # a plain step
+                tokens, name = [token], "plain"
+                self.drafters[request].observe(self._features[rows], tokens)
+            else:
+                tokens, accepted, lookup = self._verify(state, tree, rows)
+                self.drafters[request].observe(self._features[rows][accepted], tokens, lookup)
+            finished, count = False, 0
+            for new in tokens:  # transformers' own checks (EOS, max_new_tokens) after every token
+                finished = state.update_and_check_completion(new, None)
+                count += 1
+                if finished:
+                    break
+            self.request_stats[request].record(count, name)
+            if finished:
+                self.scheduler.finish_request(request)
+                self.scheduler.block_new_requests = False
+                self.drafters.pop(request, None)
+                self.finished_stats[request] = self.request_stats.pop(request)
+            else:
+                decoding.append(state)
+            if state.streaming or finished:
+                outputs.append(state.to_generation_output())
+        if outputs:
+            self.output_router.deliver_batch(outputs)
+        self._draft_trees(decoding)
+
+    def _forget_gone(self) -> None:
+        """Drop the draft state of requests that left without finishing here (cancelled, failed)."""
+        active = self.scheduler.active_requests
+        for table in (self.drafters, self.trees, self.prefill_features, self.request_stats):
+            for request in [request for request in table if request not in active]:
+                del table[request]
+
+    def _verify(self, state, tree, rows):
+        """A tree's round: the acceptance rule on its nodes' logits, its path's KV entries kept, the rest released.
+        Returns the new tokens (host ids), the accepted nodes and how many of them only the n-gram lookup proposed."""
+        n = tree.num_nodes
+        logits = self._logits[0, rows].float()
+        path, bonus = verification.verify(tree, logits, False)
+        fetch = [path, tree.tokens[path.clamp(min=0)], bonus[None]]
+        if tree.from_lookup is not None:
+            fetch.append((tree.from_lookup[path.clamp(min=0)] & (path >= 0)).sum()[None])
+        host = torch.cat(fetch).tolist()  # the round's one read
+        width = path.numel()
+        m = sum(node >= 0 for node in host[:width])
+        tokens = host[width + 1 : width + m] + [host[2 * width]]
+        lookup = host[2 * width + 1] if tree.from_lookup is not None else None
+        past = state.position_offset - n
+        self._keep_path(state.request_id, past, n, host[:m])
+        state.position_offset = past + m
+        return tokens, path[:m], lookup
+
+    def _keep_path(self, request: str, past: int, n: int, nodes: list[int]) -> None:
+        """The accepted nodes' KV entries moved to the first of the tree's slots, in path order, in every layer; the
+        pages after the kept length go back to the pool."""
+        kept = past + len(nodes)
+        for allocator in self.cache.cache_allocators.values():
+            slots = allocator.get_write_indices(request, past, n)
+            source = torch.tensor([slots[node] for node in nodes])
+            target = torch.tensor(slots[: len(nodes)])
+            if not torch.equal(source, target):
+                for keys, values in allocator._kv_token_views.values():
+                    keys.index_copy_(0, target.to(keys.device), keys.index_select(0, source.to(keys.device)))
+                    values.index_copy_(0, target.to(values.device), values.index_select(0, source.to(values.device)))
+            table = allocator.block_table[request]
+            pages = -(-kept // allocator.tokens_per_page)
+            tail = table[pages:]
+            del table[pages:]
+            allocator.pool.free_blocks(allocator.index, [page for page in tail if allocator.ledger.release(page)])
+
+    def _draft_trees(self, states) -> None:
+        """The trees the decoding requests bring to the next forward, one tree size for all: the configured tree's
+        node budget shared by the requests (`round_controller.batch_tree`), cut further so that every tree fits in the
+        batch's token budget; plain steps when not even one draft node each would."""
+        if not states:
+            return
+        settings = self.settings
+        total, depth, top_k = batch_tree(settings.total_tokens, settings.depth, settings.top_k, len(states))
+        lookup_nodes = settings.lookup_tokens * settings.lookup_chains
+        total = min(total, self.max_batch_tokens // len(states) - 1 - lookup_nodes)
+        if total < 1:
+            return
+        choice = RoundChoice("tree", total, min(depth, total), min(top_k, total))
+        for state in states:
+            drafter = self.drafters[state.request_id]
+            drafter.signals()  # finds this round's lookup chains
+            sequence = torch.tensor([list(state.initial_tokens) + state.generated_tokens], device=self.draft.device)
+            tree = drafter.get_candidates(sequence, choice)
+            self.trees[state.request_id] = (tree, choice.name)
+            state.tokens_to_process = tree.tokens.tolist()
+
+
+class JakiroContinuousBatchingManager(ContinuousBatchingManager):
+    """transformers' continuous batching manager (its request queue, scheduler, paged cache, background thread,
+    streaming and cancellation), whose batch processor runs Jakiro rounds (`JakiroBatchProcessor`)."""
+
+    def __init__(self, target, draft, generation_config: GenerationConfig | None = None,
+                 continuous_batching_config: ContinuousBatchingConfig | None = None, settings: TreeSettings | None = None):
+        generation_config = generation_config if generation_config is not None else target.generation_config
+        continuous_batching_config = continuous_batching_config or jakiro_cb_config()
+        check_supported(target, generation_config, continuous_batching_config)
+        draft.bind_target(target)
+        if generation_config.eos_token_id is None:
+            generation_config.eos_token_id = -1  # as transformers' init_continuous_batching
+        super().__init__(target, generation_config, continuous_batching_config)
+        self.draft, self.settings = draft, settings or TreeSettings.resolve(draft)
+
+    def _create_batch_processor(self) -> ContinuousBatchProcessor:
+        processor = super()._create_batch_processor()
+        # transformers builds its processor by name; extending that one keeps every other part of the set-up its own
+        processor.__class__ = JakiroBatchProcessor
+        processor.attach(self.model, self.draft, self.settings)
+        return processor
+
+
+def jakiro_generate_batch(target, draft, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
+                          continuous_batching_config: ContinuousBatchingConfig | None = None,
+                          settings: TreeSettings | None = None, max_new_tokens: int | None = None) -> dict:
+    """Many prompts (token id lists) through continuous batching with Jakiro rounds, as transformers'
+    `generate_batch`: a dict from request id to transformers' `GenerationOutput`, in the order added, each with its
+    request's rounds as `jakiro_stats` (a `JakiroGenerationStats`: tokens per target forward, what each round
+    verified)."""
+    if generation_config is None:
+        generation_config = GenerationConfig(**target.generation_config.to_dict())
+    manager = JakiroContinuousBatchingManager(target, draft, generation_config, continuous_batching_config, settings)
+    manager.start()
+    try:
+        ids = [manager.add_request(prompt, max_new_tokens=max_new_tokens) for prompt in inputs]
+        results = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None:
+                result.jakiro_stats = manager.batch_processor.finished_stats.pop(result.request_id, None)
+                results[result.request_id] = result
+            elif not manager.is_running():
+                raise RuntimeError("Jakiro continuous batching stopped before every request finished (see the log).")
+    finally:
+        manager.stop(block=True)
+    return {request: results[request] for request in ids}
+
+
+__all__ = ["JakiroBatchProcessor", "JakiroContinuousBatchingManager", "check_supported", "jakiro_cb_config",
+           "jakiro_generate_batch"]

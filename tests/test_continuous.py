@@ -1,0 +1,138 @@
+"""Jakiro rounds inside transformers' continuous batching (`transformers_jakiro.continuous`): every request's greedy
+output identical to plain `generate` of that request alone, whatever joins, leaves or is cancelled around it, with
+split prefills, pages crossed by trees, lookup chains and EOS inside an accepted path; no page leaked; refusals by
+name. Needs transformers >= 5.25 (its page allocators); older versions get a clear error, tested here too."""
+
+import importlib.util
+import time
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from tiny_models import ARCHS, VOCAB, trained_pairs
+from transformers_jakiro.decoding.drafter import TreeSettings
+
+SUPPORTED = importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is not None
+needs_allocators = pytest.mark.skipif(not SUPPORTED, reason="transformers < 5.25: refused (see the last test)")
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return trained_pairs()
+
+
+def prompts_of(seed: int, count: int, low: int = 2, high: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def alone(target, prompt: list[int], config: GenerationConfig) -> list[int]:
+    """Plain `generate` of one request alone (the reference), under sdpa."""
+    target.config._attn_implementation = "sdpa"
+    return target.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()
+
+
+def held_pages(manager) -> int:
+    """Pages some request still holds (in its page table)."""
+    cache = manager.batch_processor.cache
+    return sum(len(table) for a in cache.cache_allocators.values() for table in a.block_table.values())
+
+
+@needs_allocators
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_requests_identical_to_generate_alone(arch, lookup, pairs):
+    """Six requests at once, prompts of 2-40 tokens; pages of 4 tokens (trees cross pages); a batch budget of 48
+    tokens (long prompts' prefills are split, and with six trees in flight some rounds fall back to plain steps);
+    max_new_tokens 1 and 30; an EOS inside an accepted path (a token request 0 emits at its 6th step)."""
+    from transformers_jakiro.continuous import jakiro_cb_config, jakiro_generate_batch
+
+    target, draft = pairs(arch)
+    settings = TreeSettings.resolve(draft, lookup_tokens=lookup)
+    prompts = prompts_of(5 + ARCHS.index(arch), 6)
+    for max_new, eos in [(1, -1), (30, -1), (30, "step 6")]:
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=-1, pad_token_id=0)
+        if eos == "step 6":
+            config.eos_token_id = alone(target, prompts[0], config)[5]
+        expected = [alone(target, prompt, config) for prompt in prompts]
+        cb = jakiro_cb_config(page_size=4, num_blocks=256, max_batch_tokens=48)
+        out = jakiro_generate_batch(target, draft, prompts, config, cb, settings=settings, max_new_tokens=max_new)
+        got = [result.generated_tokens for result in out.values()]
+        assert got == expected, (max_new, eos)
+        stats = [result.jakiro_stats for result in out.values()]
+        assert all(s.new_tokens == len(g) for s, g in zip(stats, got))
+        if max_new == 30:  # trees were verified and accepted more than one token per forward somewhere
+            assert any(name.startswith("tree") for s in stats for name in s.choices)
+            assert max(s.mean_accepted_length for s in stats) > 1.2
+
+
+@needs_allocators
+def test_requests_join_leave_and_cancel_without_leaking_pages(pairs):
+    """Requests added while others decode, one cancelled mid-generation: every finished request identical to its
+    plain generation alone, and every page back in the pool afterwards."""
+    from transformers_jakiro.continuous import JakiroContinuousBatchingManager, jakiro_cb_config
+
+    target, draft = pairs("llama")
+    config = GenerationConfig(do_sample=False, max_new_tokens=40, eos_token_id=-1, pad_token_id=0)
+    prompts = prompts_of(21, 6)
+    expected = [alone(target, prompt, config) for prompt in prompts]
+    manager = JakiroContinuousBatchingManager(target, draft, config, jakiro_cb_config(page_size=4, num_blocks=256,
+                                                                                     max_batch_tokens=64))
+    manager.start()
+    try:
+        deadline = time.time() + 120
+        first = [manager.add_request(p, max_new_tokens=40) for p in prompts[:3]]
+        results = {}
+        while not results:
+            result = manager.get_result(timeout=5)
+            if result is not None:
+                results[result.request_id] = result
+        later = [manager.add_request(p, max_new_tokens=40) for p in prompts[3:]]
+        cancelled = later[-1]
+        manager.cancel_request(cancelled)
+        wanted = set(first + later[:-1])
+        while not wanted <= set(results) and time.time() < deadline:
+            result = manager.get_result(timeout=5)
+            if result is not None:
+                results[result.request_id] = result
+        time.sleep(0.2)  # the cancellation is carried out by the next scheduling
+        assert held_pages(manager) == 0
+        assert manager.batch_processor.drafters == {} and manager.batch_processor.trees == {}
+    finally:
+        manager.stop(block=True)
+    ids = first + later
+    for request, prompt_expected in zip(ids, expected):
+        if request != cancelled:
+            assert results[request].generated_tokens == prompt_expected, request
+
+
+@needs_allocators
+def test_refusals_name_the_problem(pairs):
+    from transformers_jakiro.continuous import JakiroContinuousBatchingManager, jakiro_cb_config
+
+    target, draft = pairs("llama")
+    greedy = dict(max_new_tokens=8, eos_token_id=-1, pad_token_id=0)
+    with pytest.raises(ValueError, match="greedy requests only"):
+        JakiroContinuousBatchingManager(target, draft, GenerationConfig(do_sample=True, **greedy))
+    with pytest.raises(ValueError, match="without logits processors"):
+        JakiroContinuousBatchingManager(target, draft, GenerationConfig(repetition_penalty=1.3, **greedy))
+    with pytest.raises(ValueError, match="allow_block_sharing=False"):
+        JakiroContinuousBatchingManager(target, draft, GenerationConfig(**greedy),
+                                        jakiro_cb_config(allow_block_sharing=True))
+    target.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="dense attention mask"):
+            JakiroContinuousBatchingManager(target, draft, GenerationConfig(**greedy))
+    finally:
+        target.config._attn_implementation = "sdpa"
+
+
+@pytest.mark.skipif(SUPPORTED, reason="transformers >= 5.25 is supported")
+def test_older_transformers_refused_by_name(pairs):
+    from transformers_jakiro.continuous import check_supported
+
+    target, _ = pairs("llama")
+    with pytest.raises(RuntimeError, match="needs transformers >= 5.25"):
+        check_supported(target, GenerationConfig(do_sample=False), None)
