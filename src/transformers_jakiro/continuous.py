@@ -21,6 +21,8 @@ that lay them out otherwise. Greedy decoding only, for now: sampling and logits 
 """
 
 import importlib.util
+import json
+import logging
 
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -35,6 +37,8 @@ from .decoding.drafter import JakiroCandidateGenerator, TreeSettings
 from .decoding.round_controller import RoundChoice, batch_tree
 from .features import TargetFeatures
 from .stats import JakiroGenerationStats
+
+logger = logging.getLogger(__name__)
 
 # What the rounds need of transformers' continuous batching (5.25's layout): checked by `check_supported`.
 _CACHE_ATTRIBUTES = ("cache_allocators",)
@@ -206,7 +210,10 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 self.scheduler.finish_request(request)
                 self.scheduler.block_new_requests = False
                 self.drafters.pop(request, None)
-                self.finished_stats[request] = self.request_stats.pop(request)
+                stats = self.finished_stats[request] = self.request_stats.pop(request)
+                logger.info("jakiro request %s: prompt %d, new %d tokens, tau %.2f, rounds %d, rounds by kind %s",
+                            request, len(state.initial_tokens), stats.new_tokens, stats.mean_accepted_length,
+                            stats.rounds, json.dumps(stats.choice_counts))
             else:
                 decoding.append(state)
             if state.streaming or finished:

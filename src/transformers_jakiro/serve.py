@@ -57,6 +57,7 @@ Batch size is 1: requests never share a generate, a cache or a draft state.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -83,7 +84,15 @@ def generate(model, *args, **kwargs):
     from transformers_jakiro.serve import serve_generate
 
     return serve_generate(model, SETTINGS, *args, **kwargs)
+
+
+if SETTINGS.get("continuous_batching"):  # imported where the server loads the model: its batching gets the draft
+    from transformers_jakiro.serve import install_continuous_batching
+
+    install_continuous_batching()
 '''
+
+
 
 
 # ---------------------------------------------------------------- preparing the model repository
@@ -118,12 +127,16 @@ class Prepared:
     def command(self, host: str, port: int, dtype: str) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env.items())
         trust = " --trust-remote-code" if self.trust_remote_code else ""
-        return f"{env} transformers serve {self.model_id}{trust} --dtype {dtype} --host {host} --port {port}"
+        batching = " --continuous-batching" if self.settings.get("continuous_batching") else ""
+        return f"{env} transformers serve {self.model_id}{trust}{batching} --dtype {dtype} --host {host} --port {port}"
 
 
-def prepare(target: str, draft: str | None, lookup_tokens: int | None = None, cache_dir=None) -> Prepared:
+def prepare(target: str, draft: str | None, lookup_tokens: int | None = None, cache_dir=None,
+            continuous_batching: bool = False) -> Prepared:
     """Write (once) the model repository that `transformers serve` loads: the target's files (symlinks to its plain
-    copy) and, with a `draft` head directory, `custom_generate/generate.py` that decodes with it."""
+    copy) and, with a `draft` head directory, `custom_generate/generate.py` that decodes with it; with
+    `continuous_batching` the settings in the config too (`jakiro_continuous_batching`: what
+    `install_continuous_batching` looks for)."""
     from .targets import META_FILE, cache_root, plain_directory
 
     plain, name = plain_directory(target, cache_dir)
@@ -135,8 +148,12 @@ def prepare(target: str, draft: str | None, lookup_tokens: int | None = None, ca
         settings = {"draft": str(head.resolve())}
         if lookup_tokens is not None:
             settings["lookup_tokens"] = int(lookup_tokens)
+        if continuous_batching:
+            settings["continuous_batching"] = True
     model_id = f"jakiro/{_safe_name(name)}" if draft is not None else f"plain/{_safe_name(name)}"
-    key_text = json.dumps({"plain": str(plain.resolve()), "settings": settings, "id": model_id}, sort_keys=True)
+    # the templates' text too: transformers keeps imported remote code by the repository's revision (this key)
+    key_text = json.dumps({"plain": str(plain.resolve()), "settings": settings, "id": model_id,
+                           "code": SHIM}, sort_keys=True)
     key = hashlib.sha256(key_text.encode()).hexdigest()
     root = cache_root(cache_dir) / SERVE_DIR / f"{_safe_name(name)}-{key[:12]}"
     prepared = Prepared(root, model_id, draft is not None, settings)
@@ -152,8 +169,13 @@ def prepare(target: str, draft: str | None, lookup_tokens: int | None = None, ca
                 link.symlink_to(item.resolve())
     if draft is not None:
         (snapshot / "custom_generate").mkdir(exist_ok=True)
-        shim = SHIM.format(marker=SHIM_MARKER, settings=json.dumps(settings, indent=4, sort_keys=True))
+        shim = SHIM.format(marker=SHIM_MARKER, settings=repr(dict(sorted(settings.items()))))
         (snapshot / "custom_generate" / "generate.py").write_text(shim)
+    if settings.get("continuous_batching"):
+        config = json.loads((plain / "config.json").read_text())
+        config["jakiro_continuous_batching"] = settings
+        (snapshot / "config.json").unlink(missing_ok=True)
+        (snapshot / "config.json").write_text(json.dumps(config, indent=2))
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(key[:40])  # last: the repository is complete
     return prepared
@@ -179,14 +201,15 @@ def draft_for(model, settings: dict):
     return _DRAFTS[key]
 
 
-def _log_to_stderr() -> None:
+def _log_to_stderr(name: str = __name__) -> None:
     """The per-request lines at INFO on stderr, also where the model runs in a process of its own (transformers 5.25
     and later start one per model; its logging is not the server's)."""
-    if not logging.getLogger().handlers and not logger.handlers:
+    target = logging.getLogger(name)
+    if not logging.getLogger().handlers and not target.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+        target.addHandler(handler)
+    target.setLevel(logging.INFO)
 
 
 def serve_generate(model, settings: dict, *args, **kwargs):
@@ -225,6 +248,66 @@ def serve_generate(model, settings: dict, *args, **kwargs):
             stats.draft_time_s, stats.verify_time_s, seconds, stats.new_tokens / seconds if seconds else 0.0,
             json.dumps(stats.choice_counts))
     return output
+
+
+def install_continuous_batching() -> None:
+    """In the server's model process: `init_continuous_batching` (how `transformers serve --continuous-batching`
+    starts its batching) answers a model prepared with `continuous_batching` (its config carries
+    `jakiro_continuous_batching`) with `continuous_batching_manager`, every other model as before. transformers'
+    server loads the model's class by name (`getattr(transformers, architectures[0])`), so no class of ours can stand
+    in for it; the method is wrapped once, in this process only."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    original = ContinuousMixin.init_continuous_batching
+    if getattr(original, "_jakiro", False):
+        return
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
+        settings = getattr(self.config, "jakiro_continuous_batching", None)
+        if not settings:
+            return original(self, generation_config, continuous_batching_config, workload_hints)
+        return continuous_batching_manager(self, settings, generation_config, continuous_batching_config,
+                                           workload_hints, original)
+
+    init_continuous_batching._jakiro = True
+    ContinuousMixin.init_continuous_batching = init_continuous_batching
+
+
+def continuous_batching_manager(model, settings: dict, generation_config=None, continuous_batching_config=None,
+                                workload_hints=None, plain=None):
+    """What the served model's `init_continuous_batching` returns: transformers' manager with Jakiro rounds
+    (`continuous.JakiroContinuousBatchingManager`) over the server's configuration, with what the rounds need set
+    (prefix sharing, async batching and CUDA graphs off; logged); transformers' own manager (`plain`, the unwrapped
+    method), with a warning, where the rounds refuse (a sampling generation config, another attention kernel)."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    plain = plain or ContinuousMixin.init_continuous_batching
+    from .continuous import JakiroContinuousBatchingManager, check_supported, jakiro_cb_config
+
+    _log_to_stderr()
+    _log_to_stderr("transformers_jakiro.continuous")
+    generation_config = generation_config if generation_config is not None else model.generation_config
+    given = continuous_batching_config
+    config = jakiro_cb_config()
+    if given is not None:  # the server's sizes (--cb-num-blocks, ...), with what the rounds need set
+        config = copy.copy(given)
+        for name, value in vars(jakiro_cb_config()).items():
+            if name in ("allow_block_sharing", "use_async_batching", "use_cuda_graph", "auto_switch_to_flash"):
+                setattr(config, name, value)
+    try:
+        check_supported(model, generation_config, config)
+    except (ValueError, RuntimeError) as error:
+        logger.warning("jakiro: continuous batching without the draft: %s", error)
+        return plain(model, generation_config, given, workload_hints)
+    draft = draft_for(model, settings)
+    extra = {k: settings[k] for k in ("lookup_tokens",) if k in settings}
+    from .decoding.drafter import TreeSettings
+
+    manager = JakiroContinuousBatchingManager(model, draft, generation_config, config,
+                                              TreeSettings.resolve(draft, **extra))
+    logger.warning("jakiro: continuous batching with the Jakiro draft (prefix sharing, async batching and CUDA graphs "
+                   "off; %s blocks, %s tokens per batch)", config.num_blocks or "auto", config.max_batch_tokens or "auto")
+    return manager
 
 
 # ---------------------------------------------------------------- the server process (request checks: serve_checks.py)
@@ -315,9 +398,13 @@ def _server_main(config: dict) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
+    batching = {}
+    if config.get("continuous_batching"):  # transformers' own flags, passed through
+        batching = {"continuous_batching": True, **{name: config[name] for name in (
+            "cb_num_blocks", "cb_max_batch_tokens", "cb_block_size") if config.get(name) is not None}}
     tf_serve.Serve(force_model=config["model_id"], trust_remote_code=config["trust_remote_code"], dtype=config["dtype"],
                    host=config["host"], port=int(config["port"]), log_level=config.get("log_level", "warning"),
-                   device=config.get("device", "auto"))
+                   device=config.get("device", "auto"), **batching)
     return 0
 
 
@@ -346,13 +433,24 @@ def run(args) -> int:
         raise FileNotFoundError(f"draft head directory not found: {draft} (Hub ids: download the head first, e.g. "
                                 "`hf download <id> --local-dir DIR`; or --draft none)")
     dtype = _resolve_dtype(args.dtype)
-    prepared = prepare(args.target, draft, lookup_tokens=args.lookup_tokens)
+    if args.continuous_batching and draft is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
+            import transformers
+
+            raise SystemExit(f"jakiro serve --continuous-batching needs transformers >= 5.25 (this is "
+                             f"{transformers.__version__}); serve without it (one request at a time).")
+    prepared = prepare(args.target, draft, lookup_tokens=args.lookup_tokens,
+                       continuous_batching=args.continuous_batching)
     if args.print_command:
         print(prepared.command(args.host, args.port, dtype))
         return 0
     config = {"model_id": prepared.model_id, "trust_remote_code": prepared.trust_remote_code, "dtype": dtype,
               "host": args.host, "port": args.port, "threads": args.threads, "settings": prepared.settings,
-              "log_level": args.log_level, "device": args.device}
+              "log_level": args.log_level, "device": args.device,
+              "continuous_batching": args.continuous_batching, "cb_num_blocks": args.cb_num_blocks,
+              "cb_max_batch_tokens": args.cb_max_batch_tokens, "cb_block_size": args.cb_block_size}
     print(f"jakiro serve: {prepared.model_id} on http://{args.host}:{args.port}/v1 (plain equivalent: "
           f"{prepared.command(args.host, args.port, dtype)})", file=sys.stderr, flush=True)
     # A fresh interpreter: the Hugging Face cache location and offline mode are read when huggingface_hub is imported.
@@ -437,12 +535,20 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="auto", help="transformers serve --device (auto, cpu, cuda:0, ...)")
     parser.add_argument("--log-level", default="warning", help="transformers' log level in the server")
+    parser.add_argument("--continuous-batching", action="store_true",
+                        help="transformers' continuous batching: concurrent requests share each forward, each verifying "
+                             "its own Jakiro tree (greedy; transformers >= 5.25)")
+    parser.add_argument("--cb-num-blocks", type=int, default=None, help="KV cache pages (transformers' --cb-num-blocks)")
+    parser.add_argument("--cb-max-batch-tokens", type=int, default=None,
+                        help="tokens per forward (transformers' --cb-max-batch-tokens)")
+    parser.add_argument("--cb-block-size", type=int, default=None, help="tokens per KV page (transformers' --cb-block-size)")
     parser.add_argument("--print-command", action="store_true",
                         help="prepare, print the equivalent plain `transformers serve` command, and exit")
     parser.set_defaults(func=run)
 
 
-__all__ = ["Prepared", "RequestChecks", "ServerProcess", "add_cli", "draft_for", "prepare", "run", "serve_generate"]
+__all__ = ["Prepared", "RequestChecks", "ServerProcess", "add_cli", "continuous_batching_manager", "draft_for",
+           "install_continuous_batching", "prepare", "run", "serve_generate"]
 
 
 if __name__ == "__main__":

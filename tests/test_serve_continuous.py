@@ -1,0 +1,120 @@
+"""`jakiro serve --continuous-batching`: transformers' own server and continuous batching, each request verifying its
+own Jakiro tree, called with the real `openai` client by concurrent clients (SmolLM2-135M-Instruct, float32, the
+shipped head). Every answer equals plain greedy `generate` of that request alone; streaming and a client that goes away
+mid-stream leave the other requests exact. Before transformers 5.25 the flag is refused by name."""
+
+import concurrent.futures
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from transformers_jakiro.serve import ServerProcess
+
+HEAD = Path(__file__).resolve().parents[1] / "heads" / "jakiro-smollm2-135m-instruct"
+TARGET = "smollm2-135m-instruct"
+MAX_TOKENS = 32
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the square of a number.",
+    "Name three colors of the rainbow.",
+    "Write a haiku about rain.",
+    "Explain what a hash map is in two sentences.",
+    "List the first five prime numbers.",
+]
+SUPPORTED = importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is not None
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):  # smollm2: skips where the target is not installed, and writes its plain copy once
+    if not SUPPORTED:
+        pytest.skip("transformers < 5.25: refused (test_flag_refused_before_5_25)")
+    process = ServerProcess(TARGET, str(HEAD), threads=2, extra=[
+        "--continuous-batching", "--cb-num-blocks", "128", "--cb-max-batch-tokens", "256", "--cb-block-size", "32"])
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300, max_retries=0)
+
+
+def _ask(server, prompt: str) -> str:
+    client = _client(server)
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=MAX_TOKENS, temperature=0)
+    return answer.choices[0].message.content
+
+
+def _alone(smollm2, prompt: str) -> str:
+    model, tokenizer = smollm2
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_concurrent_answers_equal_generate_alone(server, smollm2):
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: _ask(server, p), PROMPTS))
+    assert answers == [_alone(smollm2, p) for p in PROMPTS]
+    log = server.log()
+    assert "continuous batching with the Jakiro draft" in log
+    assert "jakiro request" in log and "tree" in log  # per-request lines, and trees were verified
+
+
+def test_streaming_and_a_client_that_goes_away(server, smollm2):
+    """One client reads two chunks of a stream and closes it while others decode: theirs stay exact, and the server
+    answers afterwards."""
+    client = _client(server)
+    model = client.models.list().data[0].id
+
+    def leave_early():
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                max_tokens=200, temperature=0, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        stream.close()
+
+    def streamed(prompt):
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        gone = pool.submit(leave_early)
+        answers = list(pool.map(streamed, PROMPTS[1:4]))
+        gone.result()
+    assert answers == [_alone(smollm2, p) for p in PROMPTS[1:4]]
+    assert _ask(server, PROMPTS[4]) == _alone(smollm2, PROMPTS[4])
+
+
+def test_flag_refused_before_5_25_and_passed_through_after(smollm2):
+    command = [sys.executable, "-m", "transformers_jakiro.cli", "serve", "--target", TARGET, "--draft", str(HEAD),
+               "--continuous-batching", "--print-command"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if SUPPORTED:
+        assert done.returncode == 0, done.stderr
+        assert "--continuous-batching" in done.stdout
+    else:
+        assert done.returncode != 0
+        assert "needs transformers >= 5.25" in done.stderr
+
+
+def test_prepared_config_carries_the_settings(smollm2):
+    import json
+
+    from transformers_jakiro.serve import prepare
+
+    prepared = prepare(TARGET, str(HEAD), continuous_batching=True)
+    config = json.loads((prepared.snapshot / "config.json").read_text())
+    assert config["jakiro_continuous_batching"]["continuous_batching"] is True
