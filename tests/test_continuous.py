@@ -45,12 +45,12 @@ def held_pages(manager) -> int:
 @pytest.mark.parametrize("lookup", [0, 4])
 def test_requests_identical_to_generate_alone(arch, lookup, pairs):
     """Six requests at once, prompts of 2-40 tokens; pages of 4 tokens (trees cross pages); a batch budget of 48
-    tokens (long prompts' prefills are split, and with six trees in flight some rounds fall back to plain steps);
+    tokens (long prompts' prefills are split, and trees are cut to fit); the pinned tree and the round controller;
     max_new_tokens 1 and 30; an EOS inside an accepted path (a token request 0 emits at its 6th step)."""
     from transformers_jakiro.continuous import jakiro_cb_config, jakiro_generate_batch
 
     target, draft = pairs(arch)
-    settings = TreeSettings.resolve(draft, lookup_tokens=lookup)
+    settings = TreeSettings.resolve(draft, lookup_tokens=lookup, adaptive=lookup > 0)  # pinned tree, controller
     prompts = prompts_of(5 + ARCHS.index(arch), 6)
     for max_new, eos in [(1, -1), (30, -1), (30, "step 6")]:
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=-1, pad_token_id=0)

@@ -6,7 +6,7 @@ request into one row (`cu_seq_lens_q`) over a paged KV cache; under `sdpa` the a
 tensor with one block per request. A decoding request normally brings its last token. Here it brings its tree, root
 (its last token) first: the scheduler takes `tokens_to_process` as it is and gives the request a slot per node; after
 packing, the request's positions become prefix + depth and its mask block the tree's ancestor mask; the logits at
-every node (the model's `logits_to_keep` is turned off) go through the one-row acceptance rule
+every node (the target's output layer over the nodes' hidden states) go through the one-row acceptance rule
 (`decoding.verification.verify`); the accepted path's KV entries move to the front of the request's written slots,
 its length rolls back to the path (`position_offset`) and pages past it go back to the pool; its tokens are appended
 one by one with transformers' own check after each (EOS, `max_new_tokens`). Each request keeps its own drafter
@@ -23,6 +23,7 @@ that lay them out otherwise. Greedy decoding only, for now: sampling and logits 
 import importlib.util
 import json
 import logging
+import time
 
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -34,7 +35,7 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 
 from .decoding import verification
 from .decoding.drafter import JakiroCandidateGenerator, TreeSettings
-from .decoding.round_controller import RoundChoice, batch_tree
+from .decoding.round_controller import PinnedController, RoundChoice, RoundController, batch_tree, choices_for
 from .features import TargetFeatures
 from .stats import JakiroGenerationStats
 
@@ -123,16 +124,24 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             )
         self.target, self.draft, self.settings = target, draft, settings
         self.feature_layers = draft.config.target_feature_layers
-        self.model_runner._model_supports_logits_to_keep = False  # logits at every node, not one per request
+        # The trees' logits: the target's output layer applied to their nodes' last hidden states (the forward keeps
+        # logits for one row per request, transformers' `logits_to_keep`), where that reproduces the target's logits;
+        # otherwise (a model that scales or caps logits after it) the forward keeps every row's.
+        self.head = target.get_output_embeddings()
+        self.head_checked = False
         self.drafters: dict[str, JakiroCandidateGenerator] = {}
         self.trees = {}  # request id -> (the tree it brings to the next forward, the round's name)
         self.prefill_features: dict[str, list[torch.Tensor]] = {}  # chunks of a prompt whose prefill is split
         self.request_stats: dict[str, JakiroGenerationStats] = {}  # per request: its rounds, as `generate`'s stats
         self.finished_stats: dict[str, JakiroGenerationStats] = {}
         self._logits = self._features = None
+        self.controllers = {}  # per number of decoding requests (a power of two): its round controller
+        self._chosen = None  # (controller, choice, requests) of the round drafted last
+        self._step_started = None
 
     def prepare_next_batch(self) -> bool:
         """transformers' packing, then each tree's positions (prefix + depth) and its block of the mask."""
+        self._step_started = time.perf_counter()
         if not super().prepare_next_batch():
             return False
         io = self.inputs_and_outputs
@@ -155,6 +164,47 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             mask[0, 0, q0 : q0 + n, k1 - n : k1] = block.masked_fill(tree.ancestors.to(mask.device), 0.0)
         return True
 
+    def _check_head(self) -> None:
+        """Once, at the first forward: whether the output layer alone reproduces the logits the forward kept (at the
+        rows of `logits_indices`); if not, every later forward keeps every row's logits."""
+        self.head_checked = True
+        if self.head is None or self._logits.shape[1] == self._features.shape[0]:
+            self.head = None
+            self.model_runner._model_supports_logits_to_keep = False
+            return
+        io = self.inputs_and_outputs
+        rows = io.logits_indices[: self._logits.shape[1]].long()
+        hidden = self._features[rows, -self.head.weight.shape[1] :]
+        if not torch.allclose(self.head(hidden).float(), self._logits[0].float(), rtol=1e-3, atol=1e-3):
+            self.head = None
+            self.model_runner._model_supports_logits_to_keep = False
+
+    def _trees_logits(self) -> None:
+        """The logits at every tree node of this forward, in one product of the output layer over their rows
+        (`_node_logits` hands out each request's)."""
+        self._tree_rows = {}
+        if self.head is None:
+            return
+        io = self.inputs_and_outputs
+        batch = io.requests_in_batch
+        starts = io.cumulative_seqlens_q[: len(batch) + 1].tolist()
+        rows, at = [], 0
+        for i, future in enumerate(batch):
+            if future.state.request_id in self.trees:
+                rows.append(torch.arange(starts[i], starts[i + 1]))
+                self._tree_rows[starts[i]] = at
+                at += starts[i + 1] - starts[i]
+        if rows:
+            hidden = self._features[torch.cat(rows).to(self._features.device), -self.head.weight.shape[1] :]
+            self._tree_logits = self.head(hidden).float()
+
+    def _node_logits(self, rows: slice) -> torch.Tensor:
+        """[nodes, vocab] float32 logits at the query rows `rows` (one request's tree)."""
+        if self.head is None:
+            return self._logits[0, rows].float()
+        at = self._tree_rows[rows.start]
+        return self._tree_logits[at : at + rows.stop - rows.start]
+
     @torch.no_grad()
     def _generation_step(self, model) -> None:
         """transformers' step, keeping the logits at every query and the draft's features (hooks)."""
@@ -167,6 +217,9 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             finally:
                 handle.remove()
             self._features = hidden.take(None)[0]  # [queries, width]
+        if not self.head_checked:
+            self._check_head()
+        self._trees_logits()
 
     def update_batch(self) -> None:
         """Every request's new tokens: a prefill chunk's none, a plain step's one, a tree's accepted path and bonus
@@ -176,6 +229,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         batch, new_tokens, _ = io.prepare_batch_update()
         starts = io.cumulative_seqlens_q[: len(batch) + 1].tolist()
         logits_index, outputs, decoding = 0, [], []
+        counts, chains = {}, {}  # per request that ran the last chosen round: its tokens, its lookup-only tokens
         for i, future in enumerate(batch):
             state, rows = future.state, slice(starts[i], starts[i + 1])
             request = state.request_id
@@ -196,9 +250,11 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             elif tree is None:  # a plain step
                 tokens, name = [token], "plain"
                 self.drafters[request].observe(self._features[rows], tokens)
+                counts[request], chains[request] = 1, 0
             else:
                 tokens, accepted, lookup = self._verify(state, tree, rows)
                 self.drafters[request].observe(self._features[rows][accepted], tokens, lookup)
+                counts[request], chains[request] = len(tokens), lookup or 0
             finished, count = False, 0
             for new in tokens:  # transformers' own checks (EOS, max_new_tokens) after every token
                 finished = state.update_and_check_completion(new, None)
@@ -220,6 +276,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 outputs.append(state.to_generation_output())
         if outputs:
             self.output_router.deliver_batch(outputs)
+        self._record_round(batch, counts, chains)
         self._draft_trees(decoding)
 
     def _forget_gone(self) -> None:
@@ -233,7 +290,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         """A tree's round: the acceptance rule on its nodes' logits, its path's KV entries kept, the rest released.
         Returns the new tokens (host ids), the accepted nodes and how many of them only the n-gram lookup proposed."""
         n = tree.num_nodes
-        logits = self._logits[0, rows].float()
+        logits = self._node_logits(rows)
         path, bonus = verification.verify(tree, logits, False)
         fetch = [path, tree.tokens[path.clamp(min=0)], bonus[None]]
         if tree.from_lookup is not None:
@@ -266,26 +323,67 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             del table[pages:]
             allocator.pool.free_blocks(allocator.index, [page for page in tail if allocator.ledger.release(page)])
 
+    def _controller(self, decoding: int):
+        """The round controller for this many decoding requests (rounded up to a power of two): its choices are the
+        configured tree's node budget shared by the requests (`round_controller.batch_tree`), a smaller tree, lookup
+        chains alone and a plain step, chosen by measured tokens per second (`round_controller.RoundController`)."""
+        bucket = 1 << (decoding - 1).bit_length()
+        if bucket not in self.controllers:
+            settings = self.settings
+            total, depth, top_k = batch_tree(settings.total_tokens, settings.depth, settings.top_k, bucket)
+            if not settings.adaptive:
+                self.controllers[bucket] = PinnedController(RoundChoice("tree", total, depth, top_k))
+            else:
+                choices = choices_for(total, depth, top_k, settings.lookup_tokens > 0, fixed_shape=False)
+                self.controllers[bucket] = RoundController(choices, key="continuous-batching")
+        return self.controllers[bucket]
+
     def _draft_trees(self, states) -> None:
-        """The trees the decoding requests bring to the next forward, one tree size for all: the configured tree's
-        node budget shared by the requests (`round_controller.batch_tree`), cut further so that every tree fits in the
-        batch's token budget; plain steps when not even one draft node each would."""
+        """The round the decoding requests run next, one choice for all (`_controller`), cut to the batch's token budget
+        (`_fitted`); each request drafts its own tree (or lookup chains)."""
+        self._chosen = None
         if not states:
             return
         settings = self.settings
-        total, depth, top_k = batch_tree(settings.total_tokens, settings.depth, settings.top_k, len(states))
-        lookup_nodes = settings.lookup_tokens * settings.lookup_chains
-        total = min(total, self.max_batch_tokens // len(states) - 1 - lookup_nodes)
-        if total < 1:
-            return
-        choice = RoundChoice("tree", total, min(depth, total), min(top_k, total))
-        for state in states:
-            drafter = self.drafters[state.request_id]
-            drafter.signals()  # finds this round's lookup chains
+        controller = self._controller(len(states))
+        drafters = [self.drafters[state.request_id] for state in states]
+        signals = [drafter.signals() for drafter in drafters]  # finds each request's lookup chains for this round
+        choice = controller.choose(any(ready for ready, _, _ in signals),
+                                   2 * sum(copying for _, copying, _ in signals) >= len(signals),
+                                   all(whole for _, _, whole in signals))
+        self._chosen = (controller, choice, {state.request_id for state in states})
+        choice = self._fitted(choice, len(states))
+        for state, drafter in zip(states, drafters):
             sequence = torch.tensor([list(state.initial_tokens) + state.generated_tokens], device=self.draft.device)
-            tree = drafter.get_candidates(sequence, choice)
-            self.trees[state.request_id] = (tree, choice.name)
-            state.tokens_to_process = tree.tokens.tolist()
+            tree = drafter.get_candidates(sequence, choice)  # a plain step too: the drafter keeps its features unread
+            if tree.num_nodes > 1:
+                self.trees[state.request_id] = (tree, choice.name)
+                state.tokens_to_process = tree.tokens.tolist()
+
+    def _fitted(self, choice: RoundChoice, requests: int) -> RoundChoice:
+        """`choice` cut so that every request's tree fits in the batch's token budget (a tree is never split across
+        forwards): a smaller tree, or a plain step when not even one draft node each would fit."""
+        lookup_nodes = self.settings.lookup_tokens * self.settings.lookup_chains
+        room = self.max_batch_tokens // requests - 1  # nodes below the root, per request
+        if choice.kind == "lookup":
+            return choice if lookup_nodes <= room else RoundChoice("plain")
+        if choice.kind != "tree" or choice.total_tokens + lookup_nodes <= room:
+            return choice
+        total = room - lookup_nodes
+        return RoundChoice("tree", total, min(choice.depth, total), min(choice.top_k, total)) if total >= 1 else \
+            RoundChoice("plain")
+
+    def _record_round(self, batch, counts: dict, chains: dict) -> None:
+        """The last choice's outcome for the round controller, from a step that decoded exactly the requests it was
+        chosen for (a prefill chunk or a new request in the step would be timed with it)."""
+        chosen, self._chosen = self._chosen, None
+        if chosen is None or self._step_started is None:
+            return
+        controller, choice, requests = chosen
+        if {future.state.request_id for future in batch} != requests or set(counts) != requests:
+            return
+        seconds = time.perf_counter() - self._step_started
+        controller.record(choice, sum(counts.values()) / len(counts), seconds, sum(chains.values()) / len(counts))
 
 
 class JakiroContinuousBatchingManager(ContinuousBatchingManager):

@@ -1,0 +1,159 @@
+"""Concurrent clients against four servers in turn, on the same prepared model: plain `transformers serve`
+(`jakiro serve --draft none`: one request at a time), plain continuous batching (`--draft none
+--continuous-batching`), `jakiro serve` (one request at a time) and `jakiro serve --continuous-batching`.
+
+    .venv/bin/python benchmarks/serve_concurrency.py --target smollm2-135m-instruct --dtype float32 --clients 1,4,8
+    .venv/bin/python benchmarks/serve_concurrency.py --target qwen2.5-coder-1.5b-instruct --dtype bfloat16 \\
+        --suite humaneval --clients 1,4,8
+
+For each server and each client count C: `--requests` greedy chat completions (the suite's prompts, non-streamed,
+`max_tokens` fixed) sent by C client threads, each taking the next prompt when its last answer came. Reported per
+server and C: aggregate completion tokens/s (all tokens / wall time), p50/p90 latency, and whether every answer equals
+the plain server's answer to the same prompt. Both continuous-batching servers get the same explicit KV memory
+(`--cb-num-blocks` pages of `--cb-block-size` tokens) and batch budget (`--cb-max-batch-tokens`). Each server answers
+one untimed request first and runs alone, with every core.
+
+Results go to benchmarks/results/serve-concurrency-<target>-<dtype>-<date>/: results.json (every request) and
+README.md (the table and the command that reruns it). Not a test: nothing here is timed in CI.
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from transformers_jakiro.serve import ServerProcess  # noqa: E402
+
+SUITES = ROOT / "src" / "transformers_jakiro" / "bench" / "data"
+SERVERS = ["plain", "plain-cb", "jakiro", "jakiro-cb"]
+
+
+def prompts(suite: str, count: int) -> list[str]:
+    lines = (SUITES / f"{suite}.jsonl").read_text().splitlines()
+    found = [json.loads(line)["turns"][0] for line in lines if line.strip()]
+    return [found[i % len(found)] for i in range(count)]
+
+
+def ask(client, model, prompt, max_tokens) -> dict:
+    start = time.perf_counter()
+    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=max_tokens, temperature=0)
+    return {"prompt": prompt, "text": answer.choices[0].message.content, "tokens": answer.usage.completion_tokens,
+            "latency_s": time.perf_counter() - start}
+
+
+def run_clients(server, requests: list[str], clients: int, max_tokens: int) -> dict:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
+    model = client.models.list().data[0].id
+    rows, errors, lock, queue = [], [], threading.Lock(), list(enumerate(requests))
+
+    def work():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                index, prompt = queue.pop(0)
+            try:
+                row = ask(client, model, prompt, max_tokens)
+            except Exception as error:  # reported, not raised: the other clients go on
+                with lock:
+                    errors.append(f"{index}: {error!r}")
+                continue
+            with lock:
+                rows.append({"index": index, **row})
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=work) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    rows.sort(key=lambda row: row["index"])
+    latencies = sorted(row["latency_s"] for row in rows)
+    tokens = sum(row["tokens"] for row in rows)
+    return {"clients": clients, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
+            "p50_s": statistics.median(latencies) if latencies else None,
+            "p90_s": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))] if latencies else None,
+            "errors": errors, "rows": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--draft", default=None, help="head directory (default heads/jakiro-<target>)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--suite", default="mt_bench", choices=["mt_bench", "humaneval", "alpaca", "grounded"])
+    parser.add_argument("--clients", default="1,4,8")
+    parser.add_argument("--requests", type=int, default=16, help="requests per client count")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per server (default: torch's)")
+    parser.add_argument("--cb-num-blocks", type=int, default=512)
+    parser.add_argument("--cb-block-size", type=int, default=32)
+    parser.add_argument("--cb-max-batch-tokens", type=int, default=512)
+    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    draft = args.draft or str(ROOT / "heads" / f"jakiro-{args.target}")
+    date = datetime.date.today().isoformat()
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"serve-concurrency-{args.target}-{args.dtype}-{date}")
+    out.mkdir(parents=True, exist_ok=True)
+    batching = ["--continuous-batching", "--cb-num-blocks", str(args.cb_num_blocks), "--cb-block-size",
+                str(args.cb_block_size), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens)]
+    requests = prompts(args.suite, args.requests)
+    counts = [int(c) for c in args.clients.split(",")]
+    results = {}
+    for name in args.servers.split(","):
+        server = ServerProcess(args.target, draft if name.startswith("jakiro") else None, dtype=args.dtype,
+                               threads=args.threads, extra=batching if name.endswith("-cb") else [],
+                               log_path=out / f"server-{name}.log")
+        try:
+            server.wait_ready(600)
+            run_clients(server, requests[:1], 1, 8)  # warm-up, untimed
+            results[name] = [run_clients(server, requests, clients, args.max_tokens) for clients in counts]
+        finally:
+            server.stop()
+        for run in results[name]:
+            print(f"{name:10s} clients {run['clients']}: {run['tokens_per_s']:6.1f} tokens/s, p50 {run['p50_s']:.1f} s, "
+                  f"p90 {run['p90_s']:.1f} s, errors {len(run['errors'])}", flush=True)
+    reference = {row["prompt"]: row["text"] for run in results.get("plain", []) for row in run["rows"]}
+    for runs in results.values():
+        for run in runs:
+            run["identical"] = all(reference.get(row["prompt"], row["text"]) == row["text"] for row in run["rows"])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    meta = {"date": date, "commit": commit, "command": " ".join(sys.argv), "args": vars(args)}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / "README.md").write_text(report(meta, results, counts))
+    print(report(meta, results, counts))
+    return 0
+
+
+def report(meta, results, counts) -> str:
+    lines = [f"# Concurrent clients: {meta['args']['target']} {meta['args']['dtype']}, {meta['args']['suite']}",
+             "", f"{meta['date']}, commit {meta['commit']}. Rerun: `{meta['command']}`", "",
+             f"{meta['args']['requests']} greedy requests of at most {meta['args']['max_tokens']} tokens per client count; "
+             "aggregate completion tokens/s; ratio against plain continuous batching in the same run; identical: every "
+             "answer equals the plain server's.", "",
+             "| server | clients | tokens/s | vs plain CB | p50 s | p90 s | identical | errors |",
+             "|---|---:|---:|---:|---:|---:|---|---:|"]
+    base = {run["clients"]: run["tokens_per_s"] for run in results.get("plain-cb", [])}
+    for name, runs in results.items():
+        for run in runs:
+            ratio = f"{run['tokens_per_s'] / base[run['clients']]:.2f}x" if base.get(run["clients"]) else "-"
+            lines.append(f"| {name} | {run['clients']} | {run['tokens_per_s']:.1f} | {ratio} | {run['p50_s']:.1f} | "
+                         f"{run['p90_s']:.1f} | {run['identical']} | {len(run['errors'])} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
