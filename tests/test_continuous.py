@@ -99,7 +99,7 @@ def test_requests_join_leave_and_cancel_without_leaking_pages(pairs):
                 results[result.request_id] = result
         time.sleep(0.2)  # the cancellation is carried out by the next scheduling
         assert held_pages(manager) == 0
-        assert manager.batch_processor.drafters == {} and manager.batch_processor.trees == {}
+        assert manager.batch_processor.rows == [] and manager.batch_processor.trees == {}
     finally:
         manager.stop(block=True)
     ids = first + later

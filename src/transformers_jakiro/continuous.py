@@ -9,9 +9,10 @@ packing, the request's positions become prefix + depth and its mask block the tr
 every node (the target's output layer over the nodes' hidden states) go through the one-row acceptance rule
 (`decoding.verification.verify`); the accepted path's KV entries move to the front of the request's written slots,
 its length rolls back to the path (`position_offset`) and pages past it go back to the pool; its tokens are appended
-one by one with transformers' own check after each (EOS, `max_new_tokens`). Each request keeps its own drafter
-(`JakiroCandidateGenerator`: its own draft cache), fed with the target's features at its accepted nodes (its prompt's
-when its prefill ends, chunks included). Tree sizes shrink as more requests decode (`round_controller.batch_tree`), and
+one by one with transformers' own check after each (EOS, `max_new_tokens`). The decoding requests draft together:
+one `BatchDrafter` whose rows are the requests (a row joins when its request's prefill ends, with the prompt's
+features, chunks included; it leaves when the request finishes or is cancelled), so a tree round runs each draft
+forward once for all of them. Tree sizes shrink as more requests decode (`round_controller.batch_tree`), and
 requests take plain steps when the batch's token budget could not hold every tree.
 
 Nothing of transformers is patched. `JakiroContinuousBatchingManager` is transformers' manager; the batch processor it
@@ -34,7 +35,8 @@ from transformers.generation.continuous_batching.continuous_api import (
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 from .decoding import verification
-from .decoding.drafter import JakiroCandidateGenerator, TreeSettings
+from .decoding.batch_drafter import BatchDrafter
+from .decoding.drafter import TreeSettings
 from .decoding.round_controller import PinnedController, RoundChoice, RoundController, batch_tree, choices_for
 from .features import TargetFeatures
 from .stats import JakiroGenerationStats
@@ -129,7 +131,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         # otherwise (a model that scales or caps logits after it) the forward keeps every row's.
         self.head = target.get_output_embeddings()
         self.head_checked = False
-        self.drafters: dict[str, JakiroCandidateGenerator] = {}
+        self.drafter = BatchDrafter(draft, settings, 0)
+        self.rows: list[str] = []  # the drafter's rows: the requests that decode
         self.trees = {}  # request id -> (the tree it brings to the next forward, the round's name)
         self.prefill_features: dict[str, list[torch.Tensor]] = {}  # chunks of a prompt whose prefill is split
         self.request_stats: dict[str, JakiroGenerationStats] = {}  # per request: its rounds, as `generate`'s stats
@@ -239,21 +242,22 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             token = new_tokens[logits_index]
             logits_index += 1
             tree, name = self.trees.pop(request, (None, None))
-            if state.generated_len() == 0:  # the prefill ended: the first token, and the request's drafter
+            if state.generated_len() == 0:  # the prefill ended: the first token, and the request's draft row
                 state.status = RequestStatus.DECODING
                 features = torch.cat([*self.prefill_features.pop(request, []), self._features[rows]])
-                tokens, drafter = [token], JakiroCandidateGenerator(self.draft, self.settings)
-                self.drafters[request] = drafter
+                tokens, name = [token], "prefill"
+                self.drafter.add_rows(1)
+                self.rows.append(request)
+                context = list(state.initial_tokens) + tokens
+                self._observe(request, features, context[1:], context)
                 self.request_stats[request] = JakiroGenerationStats()
-                drafter.observe(features, list(state.initial_tokens) + tokens)
-                name = "prefill"
             elif tree is None:  # a plain step
                 tokens, name = [token], "plain"
-                self.drafters[request].observe(self._features[rows], tokens)
+                self._observe(request, self._features[rows], tokens, tokens)
                 counts[request], chains[request] = 1, 0
             else:
                 tokens, accepted, lookup = self._verify(state, tree, rows)
-                self.drafters[request].observe(self._features[rows][accepted], tokens, lookup)
+                self._observe(request, self._features[rows][accepted], tokens, tokens, lookup)
                 counts[request], chains[request] = len(tokens), lookup or 0
             finished, count = False, 0
             for new in tokens:  # transformers' own checks (EOS, max_new_tokens) after every token
@@ -265,7 +269,6 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             if finished:
                 self.scheduler.finish_request(request)
                 self.scheduler.block_new_requests = False
-                self.drafters.pop(request, None)
                 stats = self.finished_stats[request] = self.request_stats.pop(request)
                 logger.info("jakiro request %s: prompt %d, new %d tokens, tau %.2f, rounds %d, rounds by kind %s",
                             request, len(state.initial_tokens), stats.new_tokens, stats.mean_accepted_length,
@@ -277,14 +280,30 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         if outputs:
             self.output_router.deliver_batch(outputs)
         self._record_round(batch, counts, chains)
+        self._keep_rows(set(self.scheduler.active_requests))  # finished requests' rows leave
         self._draft_trees(decoding)
 
     def _forget_gone(self) -> None:
         """Drop the draft state of requests that left without finishing here (cancelled, failed)."""
         active = self.scheduler.active_requests
-        for table in (self.drafters, self.trees, self.prefill_features, self.request_stats):
+        for table in (self.trees, self.prefill_features, self.request_stats):
             for request in [request for request in table if request not in active]:
                 del table[request]
+        self._keep_rows(set(active))
+
+    def _keep_rows(self, requests: set) -> None:
+        """The draft rows of these requests stay, the others leave."""
+        keep = [row for row, request in enumerate(self.rows) if request in requests]
+        if len(keep) < len(self.rows):
+            self.drafter.select(keep)
+            self.rows = [self.rows[row] for row in keep]
+
+    def _observe(self, request: str, features: torch.Tensor, next_tokens: list[int], tokens: list[int],
+                 lookup: int | None = None) -> None:
+        """A request's accepted positions for its draft row: the target's features there and the token after each."""
+        device = self.draft.fc.weight.device
+        self.drafter.observe(self.rows.index(request), features, torch.tensor(next_tokens, device=device), tokens,
+                             lookup)
 
     def _verify(self, state, tree, rows):
         """A tree's round: the acceptance rule on its nodes' logits, its path's KV entries kept, the rest released.
@@ -340,25 +359,28 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
 
     def _draft_trees(self, states) -> None:
         """The round the decoding requests run next, one choice for all (`_controller`), cut to the batch's token budget
-        (`_fitted`); each request drafts its own tree (or lookup chains)."""
+        (`_fitted`); a tree round's draft forwards run once for every request (`BatchDrafter`), lookup chains are each
+        request's own."""
         self._chosen = None
         if not states:
             return
-        settings = self.settings
         controller = self._controller(len(states))
-        drafters = [self.drafters[state.request_id] for state in states]
-        signals = [drafter.signals() for drafter in drafters]  # finds each request's lookup chains for this round
-        choice = controller.choose(any(ready for ready, _, _ in signals),
-                                   2 * sum(copying for _, copying, _ in signals) >= len(signals),
-                                   all(whole for _, _, whole in signals))
+        choice = controller.choose(*self.drafter.signals())  # finds every row's lookup chains for this round
         self._chosen = (controller, choice, {state.request_id for state in states})
         choice = self._fitted(choice, len(states))
-        for state, drafter in zip(states, drafters):
-            sequence = torch.tensor([list(state.initial_tokens) + state.generated_tokens], device=self.draft.device)
-            tree = drafter.get_candidates(sequence, choice)  # a plain step too: the drafter keeps its features unread
-            if tree.num_nodes > 1:
-                self.trees[state.request_id] = (tree, choice.name)
-                state.tokens_to_process = tree.tokens.tolist()
+        decoding = {state.request_id for state in states}
+        if choice.kind == "tree" and decoding != set(self.rows):  # a row without new positions cannot be read
+            choice = RoundChoice("plain")
+        if choice.kind == "plain":
+            return
+        active = self.scheduler.active_requests
+        roots = torch.tensor([active[request].generated_tokens[-1] for request in self.rows],
+                             device=self.draft.fc.weight.device)
+        trees, _ = self.drafter.propose(roots, choice)
+        for request, tree in zip(self.rows, trees):
+            if request in decoding and tree.num_nodes > 1:
+                self.trees[request] = (tree, choice.name)
+                active[request].tokens_to_process = tree.tokens.tolist()
 
     def _fitted(self, choice: RoundChoice, requests: int) -> RoundChoice:
         """`choice` cut so that every request's tree fits in the batch's token budget (a tree is never split across

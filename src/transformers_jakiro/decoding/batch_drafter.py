@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicCache
 
 from .round_controller import RoundChoice
 from .drafter import TreeSettings, draft_top_k
-from .kv_cache import drop_hole_columns, select_rows, truncate
+from .kv_cache import append_empty_rows, drop_hole_columns, select_rows, truncate
 from .lookup import NgramIndex, continues
 from ..modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree, flatten_tree, graft_chains
@@ -132,6 +132,24 @@ class BatchDrafter:
         for name in ("present", "queued", "lookup", "lookup_length", "copied"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in rows])
+        if self._ready_chains is not None:
+            self._ready_chains = [self._ready_chains[i] for i in rows]
+
+    def add_rows(self, count: int) -> None:
+        """`count` new rows at the end (requests joining a continuous batch), with nothing read yet: their first
+        `observe` queues their prompts, which the next tree round reads with the other rows' new positions."""
+        device = self.key_mask.device
+        self.key_mask = torch.cat([self.key_mask, torch.zeros(count, self.key_mask.shape[1], dtype=torch.bool,
+                                                              device=device)])
+        append_empty_rows(self.cache, count)
+        lookup = self.settings.lookup_tokens > 0
+        self.present += [0] * count
+        self.queued += [[] for _ in range(count)]
+        self.lookup += [NgramIndex(self.settings.lookup_max_ngram) if lookup else None for _ in range(count)]
+        self.lookup_length += [self.settings.lookup_tokens] * count
+        self.copied += [False] * count
+        if self._ready_chains is not None:
+            self._ready_chains += [[] for _ in range(count)]
 
     def _mask(self, visible_new: torch.BoolTensor) -> torch.BoolTensor:
         """[rows, 1, q, cached + new] bool: each query sees its row's present cached entries and `visible_new`

@@ -91,10 +91,11 @@ def keep_accepted(cache, prefix_length: int, path: torch.LongTensor) -> None:
 
 
 def _dynamic_layers(cache):
-    """The layers of a DynamicCache that hold tensors (a model may leave some uninitialised)."""
+    """The layers of a DynamicCache that hold [rows, heads, positions, width] tensors, empty ones included (a model may
+    leave some uninitialised: no tensor, or a 1-D placeholder)."""
     return [
         layer for layer in cache.layers
-        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel()
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.dim() == 4
     ]
 
 
@@ -138,6 +139,14 @@ def select_rows(cache, rows: torch.LongTensor) -> None:
     for layer in _dynamic_layers(cache):
         index = rows.to(layer.keys.device)
         layer.keys, layer.values = layer.keys[index], layer.values[index]
+
+
+def append_empty_rows(cache, count: int) -> None:
+    """`count` new batch rows at the end of a DynamicCache, all of their entries zeros (holes the caller masks): rows
+    that join a batch whose cache already holds other rows' entries."""
+    for layer in _dynamic_layers(cache):
+        layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(count, *layer.keys.shape[1:])])
+        layer.values = torch.cat([layer.values, layer.values.new_zeros(count, *layer.values.shape[1:])])
 
 
 def select_positions(cache, positions: torch.LongTensor) -> None:
