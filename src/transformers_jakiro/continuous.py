@@ -140,11 +140,10 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._logits = self._features = None
         self.controllers = {}  # per number of decoding requests (a power of two): its round controller
         self._chosen = None  # (controller, choice, requests) of the round drafted last
-        self._step_started = None
+        self._round_started = None
 
     def prepare_next_batch(self) -> bool:
         """transformers' packing, then each tree's positions (prefix + depth) and its block of the mask."""
-        self._step_started = time.perf_counter()
         if not super().prepare_next_batch():
             return False
         io = self.inputs_and_outputs
@@ -362,6 +361,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         (`_fitted`); a tree round's draft forwards run once for every request (`BatchDrafter`), lookup chains are each
         request's own."""
         self._chosen = None
+        self._round_started = time.perf_counter()  # the round's drafting counts in its cost
         if not states:
             return
         controller = self._controller(len(states))
@@ -399,12 +399,12 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         """The last choice's outcome for the round controller, from a step that decoded exactly the requests it was
         chosen for (a prefill chunk or a new request in the step would be timed with it)."""
         chosen, self._chosen = self._chosen, None
-        if chosen is None or self._step_started is None:
+        if chosen is None:
             return
         controller, choice, requests = chosen
         if {future.state.request_id for future in batch} != requests or set(counts) != requests:
             return
-        seconds = time.perf_counter() - self._step_started
+        seconds = time.perf_counter() - self._round_started  # its drafting, the step's packing, forward and update
         controller.record(choice, sum(counts.values()) / len(counts), seconds, sum(chains.values()) / len(counts))
 
 

@@ -71,6 +71,8 @@ from .serve_checks import RequestChecks
 logger = logging.getLogger(__name__)
 
 SERVE_DIR = "serve"  # under targets.cache_root()
+# --continuous-batching's defaults: a KV cache of 512 pages of 32 tokens (16k tokens), 512 tokens per forward
+CB_NUM_BLOCKS, CB_BLOCK_SIZE, CB_MAX_BATCH_TOKENS = 512, 32, 512
 SHIM_MARKER = "jakiro-serve-shim"
 SHIM = '''"""Jakiro tree speculative decoding for `transformers serve` ({marker}).
 
@@ -449,8 +451,10 @@ def run(args) -> int:
     config = {"model_id": prepared.model_id, "trust_remote_code": prepared.trust_remote_code, "dtype": dtype,
               "host": args.host, "port": args.port, "threads": args.threads, "settings": prepared.settings,
               "log_level": args.log_level, "device": args.device,
-              "continuous_batching": args.continuous_batching, "cb_num_blocks": args.cb_num_blocks,
-              "cb_max_batch_tokens": args.cb_max_batch_tokens, "cb_block_size": args.cb_block_size}
+              "continuous_batching": args.continuous_batching}
+    if args.continuous_batching:  # the KV memory sized explicitly, never transformers' share of free memory
+        config.update(cb_num_blocks=args.cb_num_blocks or CB_NUM_BLOCKS, cb_block_size=args.cb_block_size or CB_BLOCK_SIZE,
+                      cb_max_batch_tokens=args.cb_max_batch_tokens or CB_MAX_BATCH_TOKENS)
     print(f"jakiro serve: {prepared.model_id} on http://{args.host}:{args.port}/v1 (plain equivalent: "
           f"{prepared.command(args.host, args.port, dtype)})", file=sys.stderr, flush=True)
     # A fresh interpreter: the Hugging Face cache location and offline mode are read when huggingface_hub is imported.
@@ -538,10 +542,12 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--continuous-batching", action="store_true",
                         help="transformers' continuous batching: concurrent requests share each forward, each verifying "
                              "its own Jakiro tree (greedy; transformers >= 5.25)")
-    parser.add_argument("--cb-num-blocks", type=int, default=None, help="KV cache pages (transformers' --cb-num-blocks)")
+    parser.add_argument("--cb-num-blocks", type=int, default=None,
+                        help=f"KV cache pages (transformers' --cb-num-blocks; default {CB_NUM_BLOCKS})")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=None,
-                        help="tokens per forward (transformers' --cb-max-batch-tokens)")
-    parser.add_argument("--cb-block-size", type=int, default=None, help="tokens per KV page (transformers' --cb-block-size)")
+                        help=f"tokens per forward (transformers' --cb-max-batch-tokens; default {CB_MAX_BATCH_TOKENS})")
+    parser.add_argument("--cb-block-size", type=int, default=None,
+                        help=f"tokens per KV page (transformers' --cb-block-size; default {CB_BLOCK_SIZE})")
     parser.add_argument("--print-command", action="store_true",
                         help="prepare, print the equivalent plain `transformers serve` command, and exit")
     parser.set_defaults(func=run)
