@@ -13,8 +13,12 @@ the plain server's answer to the same prompt. Both continuous-batching servers g
 (`--cb-num-blocks` pages of `--cb-block-size` tokens) and batch budget (`--cb-max-batch-tokens`). Each server answers
 one untimed request first and runs alone, with every core.
 
-Results go to benchmarks/results/serve-concurrency-<target>-<dtype>-<date>/: results.json (every request) and
-README.md (the table and the command that reruns it). Not a test: nothing here is timed in CI.
+`--load N` then runs a load on the last server: N requests from the largest client count, streamed and not by
+turns, every `--cancel-every`-th one cancelled after two chunks; every finished answer checked against the prompt's
+answer alone, errors, the server's memory before and after, and its last idle line (KV pages still held).
+
+Results go to benchmarks/results/serve-concurrency-<target>-<dtype>-<date>/: results.json (every request), load.json
+and README.md (the table and the command that reruns it). Not a test: nothing here is timed in CI.
 """
 
 import argparse
@@ -88,6 +92,80 @@ def run_clients(server, requests: list[str], clients: int, max_tokens: int) -> d
             "errors": errors, "rows": rows}
 
 
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants (transformers >= 5.25 runs the model in a child process)."""
+    children = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:
+            continue
+        children.setdefault(int(fields["PPid"]), []).append((int(fields["Pid"]), fields.get("VmRSS", "0 kB")))
+    total, todo = 0.0, [pid]
+    own = Path(f"/proc/{pid}/status").read_text()
+    total += next((int(line.split()[1]) for line in own.splitlines() if line.startswith("VmRSS:")), 0) / 1024
+    while todo:
+        for child, rss in children.get(todo.pop(), []):
+            total += int(rss.split()[0]) / 1024
+            todo.append(child)
+    return total
+
+
+def load_run(server, suite_prompts: list[str], requests: int, clients: int, max_tokens: int, cancel_every: int) -> dict:
+    """`requests` requests from `clients` threads, streamed and not by turns; every `cancel_every`-th one streamed
+    and closed after two chunks (the client goes away). Each finished answer is checked against the prompt's answer
+    alone (asked first, one at a time); the server's memory (process tree) is read before and after."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
+    model = client.models.list().data[0].id
+    reference = {p: ask(client, model, p, max_tokens)["text"] for p in dict.fromkeys(suite_prompts)}
+    before = tree_rss_mib(server.process.pid)
+    jobs = [(i, suite_prompts[i % len(suite_prompts)]) for i in range(requests)]
+    results, lock = [], threading.Lock()
+
+    def one(i, prompt):
+        messages = [{"role": "user", "content": prompt}]
+        if cancel_every and i % cancel_every == cancel_every - 1:
+            stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                    temperature=0, stream=True)
+            for n, _ in enumerate(stream):
+                if n == 1:
+                    break
+            stream.close()
+            return "cancelled", None
+        if i % 2:
+            stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                    temperature=0, stream=True)
+            return "streamed", "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        return "whole", ask(client, model, prompt, max_tokens)["text"]
+
+    def work(mine):
+        for i, prompt in mine:
+            try:
+                kind, text = one(i, prompt)
+                error = None
+            except Exception as exc:  # recorded: an error counts against the run
+                kind, text, error = "error", None, repr(exc)
+            with lock:
+                results.append({"request": i, "kind": kind, "error": error,
+                                "correct": kind == "cancelled" or text == reference[prompt]})
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(jobs[c::clients],)) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    time.sleep(2)  # the last cancellations are carried out by the server's next step
+    after = tree_rss_mib(server.process.pid)
+    idle = [line for line in server.log().splitlines() if "continuous batching idle" in line]
+    return {"requests": requests, "clients": clients, "wall_s": wall, "cancelled": sum(r["kind"] == "cancelled"
+            for r in results), "correct": sum(r["correct"] for r in results),
+            "errors": [r["error"] for r in results if r["error"]], "rss_mib_before": before, "rss_mib_after": after,
+            "last_idle_line": idle[-1] if idle else None, "server_alive": server.process.poll() is None,
+            "rows": sorted(results, key=lambda r: r["request"])}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -102,6 +180,9 @@ def main() -> int:
     parser.add_argument("--cb-block-size", type=int, default=32)
     parser.add_argument("--cb-max-batch-tokens", type=int, default=512)
     parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--load", type=int, default=0,
+                        help="then a load run of this many requests on the last server (0: none)")
+    parser.add_argument("--cancel-every", type=int, default=5, help="in the load run, every N-th request is cancelled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     draft = args.draft or str(ROOT / "heads" / f"jakiro-{args.target}")
@@ -121,6 +202,12 @@ def main() -> int:
             server.wait_ready(600)
             run_clients(server, requests[:1], 1, 8)  # warm-up, untimed
             results[name] = [run_clients(server, requests, clients, args.max_tokens) for clients in counts]
+            if args.load and name == args.servers.split(",")[-1]:
+                load = load_run(server, requests, args.load, max(counts), args.max_tokens, args.cancel_every)
+                (out / "load.json").write_text(json.dumps(load, indent=1))
+                print(f"load on {name}: {load['correct']}/{load['requests']} correct ({load['cancelled']} cancelled), "
+                      f"errors {len(load['errors'])}, {load['wall_s']:.0f} s, RSS {load['rss_mib_before']:.0f} -> "
+                      f"{load['rss_mib_after']:.0f} MiB; {load['last_idle_line']}", flush=True)
         finally:
             server.stop()
         for run in results[name]:

@@ -34,12 +34,6 @@ def alone(target, prompt: list[int], config: GenerationConfig) -> list[int]:
     return target.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()
 
 
-def held_pages(manager) -> int:
-    """Pages some request still holds (in its page table)."""
-    cache = manager.batch_processor.cache
-    return sum(len(table) for a in cache.cache_allocators.values() for table in a.block_table.values())
-
-
 @needs_allocators
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("lookup", [0, 4])
@@ -98,7 +92,7 @@ def test_requests_join_leave_and_cancel_without_leaking_pages(pairs):
             if result is not None:
                 results[result.request_id] = result
         time.sleep(0.2)  # the cancellation is carried out by the next scheduling
-        assert held_pages(manager) == 0
+        assert manager.batch_processor.held_pages() == 0
         assert manager.batch_processor.rows == [] and manager.batch_processor.trees == {}
     finally:
         manager.stop(block=True)

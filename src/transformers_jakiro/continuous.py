@@ -145,7 +145,9 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
     def prepare_next_batch(self) -> bool:
         """transformers' packing, then each tree's positions (prefix + depth) and its block of the mask."""
         if not super().prepare_next_batch():
+            self._went_idle()
             return False
+        self._idle = False
         io = self.inputs_and_outputs
         batch = io.requests_in_batch
         if not any(future.state.request_id in self.trees for future in batch):
@@ -281,6 +283,20 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._record_round(batch, counts, chains)
         self._keep_rows(set(self.scheduler.active_requests))  # finished requests' rows leave
         self._draft_trees(decoding)
+
+    def _went_idle(self) -> None:
+        """Nothing to schedule: the draft state of requests cancelled since the last step goes, and once per idle
+        spell a log line says what requests still hold (0 everywhere when nothing leaked)."""
+        self._forget_gone()
+        if not getattr(self, "_idle", False):
+            self._idle = True
+            logger.info("jakiro continuous batching idle: %d KV pages held, %d draft rows, %d trees",
+                        self.held_pages(), len(self.rows), len(self.trees))
+
+    def held_pages(self) -> int:
+        """KV pages that some request holds (in its page table)."""
+        return sum(len(table) for allocator in self.cache.cache_allocators.values()
+                   for table in allocator.block_table.values())
 
     def _forget_gone(self) -> None:
         """Drop the draft state of requests that left without finishing here (cancelled, failed)."""
