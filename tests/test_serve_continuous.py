@@ -118,3 +118,21 @@ def test_prepared_config_carries_the_settings(smollm2):
     prepared = prepare(TARGET, str(HEAD), continuous_batching=True)
     config = json.loads((prepared.snapshot / "config.json").read_text())
     assert config["jakiro_continuous_batching"]["continuous_batching"] is True
+
+
+def test_concurrency_benchmark_report_and_memory():
+    """`benchmarks/serve_concurrency.py`: ratios against plain continuous batching at the same client count, and the
+    resident memory of a process tree (this process: at least its own)."""
+    import os
+
+    from benchmark_scripts import load_script
+
+    script = load_script("serve_concurrency.py", "serve_concurrency")
+    run = lambda clients, rate: {"clients": clients, "tokens_per_s": rate, "p50_s": 1.0, "p90_s": 2.0,  # noqa: E731
+                                 "identical": "4/4", "errors": []}
+    results = {"plain-cb": [run(1, 10.0), run(8, 40.0)], "jakiro-cb": [run(1, 30.0), run(8, 36.0)]}
+    meta = {"args": {"target": "t", "dtype": "float32", "suite": "mt_bench", "requests": 4, "max_tokens": 8},
+            "date": "d", "commit": "c", "command": "x", "reference": "plain-cb"}
+    table = script.report(meta, results, [1, 8])
+    assert "| jakiro-cb | 1 | 30.0 | 3.00x |" in table and "| jakiro-cb | 8 | 36.0 | 0.90x |" in table
+    assert script.tree_rss_mib(os.getpid()) > 10
