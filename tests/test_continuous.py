@@ -130,3 +130,23 @@ def test_older_transformers_refused_by_name(pairs):
     target, _ = pairs("llama")
     with pytest.raises(RuntimeError, match="needs transformers >= 5.25"):
         check_supported(target, GenerationConfig(do_sample=False), None)
+
+
+@needs_allocators
+@pytest.mark.parametrize("pages", [40, 24, 20])
+def test_cache_pressure_offloads_without_corrupting_requests(pages, pairs):
+    """Six requests of up to 79 tokens over 4-token pages: with 40 pages trees compete for pages, with 20 (one long
+    request's worth) transformers offloads requests and resumes them. Every request still ends identical to its
+    generation alone, as under plain continuous batching (which fails the same requests from 16 pages on)."""
+    from transformers_jakiro.continuous import jakiro_cb_config, jakiro_generate_batch
+
+    target, draft = pairs("llama")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(10, 40, (6,), generator=g)]
+    config = GenerationConfig(do_sample=False, max_new_tokens=40, eos_token_id=-1, pad_token_id=0)
+    expected = [alone(target, prompt, config) for prompt in prompts]
+    cb = jakiro_cb_config(page_size=4, num_blocks=pages, max_batch_tokens=64)
+    out = jakiro_generate_batch(target, draft, prompts, config, cb, settings=TreeSettings.resolve(draft, adaptive=False),
+                                max_new_tokens=40)
+    assert [result.error for result in out.values()] == [None] * 6
+    assert [result.generated_tokens for result in out.values()] == expected

@@ -144,7 +144,9 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
 
     def prepare_next_batch(self) -> bool:
         """transformers' packing, then each tree's positions (prefix + depth) and its block of the mask."""
-        if not super().prepare_next_batch():
+        scheduled = super().prepare_next_batch()
+        self._after_offloads()
+        if not scheduled:
             self._went_idle()
             return False
         self._idle = False
@@ -247,11 +249,12 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 state.status = RequestStatus.DECODING
                 features = torch.cat([*self.prefill_features.pop(request, []), self._features[rows]])
                 tokens, name = [token], "prefill"
+                self._keep_rows(set(self.rows) - {request})  # a request reset under cache pressure: its new row
                 self.drafter.add_rows(1)
                 self.rows.append(request)
                 context = list(state.initial_tokens) + tokens
                 self._observe(request, features, context[1:], context)
-                self.request_stats[request] = JakiroGenerationStats()
+                self.request_stats.setdefault(request, JakiroGenerationStats())
             elif tree is None:  # a plain step
                 tokens, name = [token], "plain"
                 self._observe(request, self._features[rows], tokens, tokens)
@@ -281,8 +284,20 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         if outputs:
             self.output_router.deliver_batch(outputs)
         self._record_round(batch, counts, chains)
-        self._keep_rows(set(self.scheduler.active_requests))  # finished requests' rows leave
+        self._keep_rows(self._alive())  # finished requests' rows leave
         self._draft_trees(decoding)
+
+    def _after_offloads(self) -> None:
+        """Requests that transformers offloaded under cache pressure (they wait to be scheduled again) give up the
+        tree they were to bring. One whose cache went to the CPU resumes by processing its root alone (what it would
+        have processed without a draft; its draft row stays). One reset to a new prompt (its tokens so far, prefilled
+        again) gets a new draft row when that prefill ends."""
+        for request, state in self.scheduler.waiting_requests.items():
+            tree, _ = self.trees.pop(request, (None, None))
+            if state.generated_len() == 0 and request in self.rows:  # reset: prefilled again from its tokens so far
+                self._keep_rows(set(self.rows) - {request})
+            elif tree is not None and state.remaining_prefill_tokens == tree.tokens.tolist():
+                state.remaining_prefill_tokens = state.remaining_prefill_tokens[:1]
 
     def _went_idle(self) -> None:
         """Nothing to schedule: the draft state of requests cancelled since the last step goes, and once per idle
@@ -299,12 +314,16 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                    for table in allocator.block_table.values())
 
     def _forget_gone(self) -> None:
-        """Drop the draft state of requests that left without finishing here (cancelled, failed)."""
-        active = self.scheduler.active_requests
+        """Drop the draft state of requests that left without finishing here (cancelled, failed); requests that
+        wait (offloaded under cache pressure, to be restored with their tokens) keep theirs."""
+        alive = self._alive()
         for table in (self.trees, self.prefill_features, self.request_stats):
-            for request in [request for request in table if request not in active]:
+            for request in [request for request in table if request not in alive]:
                 del table[request]
-        self._keep_rows(set(active))
+        self._keep_rows(alive)
+
+    def _alive(self) -> set:
+        return set(self.scheduler.active_requests) | set(self.scheduler.waiting_requests)
 
     def _keep_rows(self, requests: set) -> None:
         """The draft rows of these requests stay, the others leave."""
@@ -316,6 +335,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
     def _observe(self, request: str, features: torch.Tensor, next_tokens: list[int], tokens: list[int],
                  lookup: int | None = None) -> None:
         """A request's accepted positions for its draft row: the target's features there and the token after each."""
+        if request not in self.rows:  # never had one (it cannot be rebuilt without its prompt's features)
+            return
         device = self.draft.fc.weight.device
         self.drafter.observe(self.rows.index(request), features, torch.tensor(next_tokens, device=device), tokens,
                              lookup)
@@ -385,7 +406,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._chosen = (controller, choice, {state.request_id for state in states})
         choice = self._fitted(choice, len(states))
         decoding = {state.request_id for state in states}
-        if choice.kind == "tree" and decoding != set(self.rows):  # a row without new positions cannot be read
+        if choice.kind == "tree" and not set(self.rows) <= decoding:  # a row without new positions cannot be read
             choice = RoundChoice("plain")
         if choice.kind == "plain":
             return
@@ -394,9 +415,15 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                              device=self.draft.fc.weight.device)
         trees, _ = self.drafter.propose(roots, choice)
         for request, tree in zip(self.rows, trees):
-            if request in decoding and tree.num_nodes > 1:
-                self.trees[request] = (tree, choice.name)
-                active[request].tokens_to_process = tree.tokens.tolist()
+            state = active.get(request)
+            if request not in decoding or tree.num_nodes == 1:
+                continue
+            # Under cache pressure a tree that could not get its pages now is a plain step instead (never split or
+            # left waiting with tree tokens that a later schedule would take for a plain step's).
+            if not self.cache.can_store_request_tokens(state, tree.num_nodes, dry_run=True):
+                continue
+            self.trees[request] = (tree, choice.name)
+            state.tokens_to_process = tree.tokens.tolist()
 
     def _fitted(self, choice: RoundChoice, requests: int) -> RoundChoice:
         """`choice` cut so that every request's tree fits in the batch's token budget (a tree is never split across
