@@ -56,6 +56,17 @@ def ask(client, model, prompt, max_tokens) -> dict:
             "latency_s": time.perf_counter() - start}
 
 
+def in_threads(work, arguments: list[tuple]) -> float:
+    """`work(*args)` in one thread per entry of `arguments`, all at once; the wall time until the last ends."""
+    start = time.perf_counter()
+    threads = [threading.Thread(target=work, args=args) for args in arguments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
 def run_clients(server, requests: list[str], clients: int, max_tokens: int) -> dict:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
     model = client.models.list().data[0].id
@@ -76,13 +87,7 @@ def run_clients(server, requests: list[str], clients: int, max_tokens: int) -> d
             with lock:
                 rows.append({"index": index, **row})
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=work) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
+    wall = in_threads(work, [()] * clients)
     rows.sort(key=lambda row: row["index"])
     latencies = sorted(row["latency_s"] for row in rows)
     tokens = sum(row["tokens"] for row in rows)
@@ -149,13 +154,7 @@ def load_run(server, suite_prompts: list[str], requests: int, clients: int, max_
                 results.append({"request": i, "kind": kind, "error": error,
                                 "correct": kind == "cancelled" or text == reference[prompt]})
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(jobs[c::clients],)) for c in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
+    wall = in_threads(work, [(jobs[c::clients],) for c in range(clients)])
     time.sleep(2)  # the last cancellations are carried out by the server's next step
     after = tree_rss_mib(server.process.pid)
     idle = [line for line in server.log().splitlines() if "continuous batching idle" in line]
