@@ -100,11 +100,14 @@ def check_supported(target, generation_config: GenerationConfig, cb_config: Cont
         raise ValueError("Jakiro continuous batching needs scheduler_type='fifo' (decoding requests scheduled first).")
 
 
+# What the rounds need set in a ContinuousBatchingConfig (see `check_supported`; flash kernels take no tree mask)
+REQUIRED_SETTINGS = dict(allow_block_sharing=False, use_async_batching=False, use_cuda_graph=False,
+                         auto_switch_to_flash=False)
+
+
 def jakiro_cb_config(**overrides) -> ContinuousBatchingConfig:
-    """A `ContinuousBatchingConfig` the rounds accept: prefix sharing, async batching and CUDA graphs off."""
-    values = dict(allow_block_sharing=False, use_async_batching=False, use_cuda_graph=False, auto_switch_to_flash=False)
-    values.update(overrides)
-    return ContinuousBatchingConfig(**values)
+    """A `ContinuousBatchingConfig` the rounds accept (`REQUIRED_SETTINGS`), with `overrides`."""
+    return ContinuousBatchingConfig(**{**REQUIRED_SETTINGS, **overrides})
 
 
 class JakiroBatchProcessor(ContinuousBatchProcessor):
@@ -141,6 +144,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.controllers = {}  # per number of decoding requests (a power of two): its round controller
         self._chosen = None  # (controller, choice, requests) of the round drafted last
         self._round_started = None
+        self._idle = False  # since the last idle line, nothing was scheduled
+        self._starts = []  # this step's query rows per request: request i has rows [starts[i], starts[i + 1])
 
     def prepare_next_batch(self) -> bool:
         """transformers' packing, then each tree's positions (prefix + depth) and its block of the mask."""
@@ -152,9 +157,10 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._idle = False
         io = self.inputs_and_outputs
         batch = io.requests_in_batch
+        self._starts = io.cumulative_seqlens_q[: len(batch) + 1].tolist()  # read once, used through the update
         if not any(future.state.request_id in self.trees for future in batch):
             return True
-        starts_q = io.cumulative_seqlens_q[: len(batch) + 1].tolist()
+        starts_q = self._starts
         ends_k = io.cumulative_seqlens_k["full_attention"][: len(batch) + 1].tolist()
         mask = io.attention_mask["full_attention"]
         for i, future in enumerate(batch):
@@ -191,9 +197,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._tree_rows = {}
         if self.head is None:
             return
-        io = self.inputs_and_outputs
-        batch = io.requests_in_batch
-        starts = io.cumulative_seqlens_q[: len(batch) + 1].tolist()
+        batch, starts = self.inputs_and_outputs.requests_in_batch, self._starts
         rows, at = [], 0
         for i, future in enumerate(batch):
             if future.state.request_id in self.trees:
@@ -233,7 +237,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         io = self.inputs_and_outputs
         self._forget_gone()
         batch, new_tokens, _ = io.prepare_batch_update()
-        starts = io.cumulative_seqlens_q[: len(batch) + 1].tolist()
+        starts = self._starts
         logits_index, outputs, decoding = 0, [], []
         counts, chains = {}, {}  # per request that ran the last chosen round: its tokens, its lookup-only tokens
         for i, future in enumerate(batch):
@@ -249,7 +253,6 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 state.status = RequestStatus.DECODING
                 features = torch.cat([*self.prefill_features.pop(request, []), self._features[rows]])
                 tokens, name = [token], "prefill"
-                self._keep_rows(set(self.rows) - {request})  # a request reset under cache pressure: its new row
                 self.drafter.add_rows(1)
                 self.rows.append(request)
                 context = list(state.initial_tokens) + tokens
@@ -303,7 +306,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         """Nothing to schedule: the draft state of requests cancelled since the last step goes, and once per idle
         spell a log line says what requests still hold (0 everywhere when nothing leaked)."""
         self._forget_gone()
-        if not getattr(self, "_idle", False):
+        if not self._idle:
             self._idle = True
             logger.info("jakiro continuous batching idle: %d KV pages held, %d draft rows, %d trees",
                         self.held_pages(), len(self.rows), len(self.trees))
@@ -347,14 +350,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         n = tree.num_nodes
         logits = self._node_logits(rows)
         path, bonus = verification.verify(tree, logits, False)
-        fetch = [path, tree.tokens[path.clamp(min=0)], bonus[None]]
-        if tree.from_lookup is not None:
-            fetch.append((tree.from_lookup[path.clamp(min=0)] & (path >= 0)).sum()[None])
-        host = torch.cat(fetch).tolist()  # the round's one read
-        width = path.numel()
-        m = sum(node >= 0 for node in host[:width])
-        tokens = host[width + 1 : width + m] + [host[2 * width]]
-        lookup = host[2 * width + 1] if tree.from_lookup is not None else None
+        host = torch.cat(verification.path_packet(tree, path, bonus)).tolist()  # the round's one read
+        m, tokens, lookup = verification.read_path_packet(host, path.numel(), tree.from_lookup is not None)
         past = state.position_offset - n
         self._keep_path(state.request_id, past, n, host[:m])
         state.position_offset = past + m

@@ -284,7 +284,7 @@ def continuous_batching_manager(model, settings: dict, generation_config=None, c
     from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
 
     plain = plain or ContinuousMixin.init_continuous_batching
-    from .continuous import JakiroContinuousBatchingManager, check_supported, jakiro_cb_config
+    from .continuous import REQUIRED_SETTINGS, JakiroContinuousBatchingManager, check_supported, jakiro_cb_config
 
     _log_to_stderr()
     _log_to_stderr("transformers_jakiro.continuous")
@@ -293,9 +293,8 @@ def continuous_batching_manager(model, settings: dict, generation_config=None, c
     config = jakiro_cb_config()
     if given is not None:  # the server's sizes (--cb-num-blocks, ...), with what the rounds need set
         config = copy.copy(given)
-        for name, value in vars(jakiro_cb_config()).items():
-            if name in ("allow_block_sharing", "use_async_batching", "use_cuda_graph", "auto_switch_to_flash"):
-                setattr(config, name, value)
+        for name, value in REQUIRED_SETTINGS.items():
+            setattr(config, name, value)
     try:
         check_supported(model, generation_config, config)
     except (ValueError, RuntimeError) as error:

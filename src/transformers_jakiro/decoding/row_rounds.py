@@ -171,10 +171,8 @@ def verify_tree(
     padded_path, bonus = verification.verify(tree, processed, do_sample, None if internal is None else leaf_logits)
     # The round's one device-to-host copy: the padded path (its length) with the tokens along it and the bonus, the
     # lookup count, and the stopping verdicts after each token.
-    padded_tokens = tree.tokens[padded_path.clamp(min=0)]
-    fetch = [padded_path, padded_tokens, bonus[None]]
-    if tree.from_lookup is not None:  # how many accepted nodes only the n-gram lookup proposed
-        fetch.append((tree.from_lookup[padded_path.clamp(min=0)] & (padded_path >= 0)).sum()[None])
+    fetch = verification.path_packet(tree, padded_path, bonus)
+    padded_tokens = fetch[1]
     width = padded_path.numel()
     # Lazy-leaf path: `processed` holds internal nodes' rows only; each internal node's row there (-1 for leaves)
     row = None
@@ -198,11 +196,9 @@ def verify_tree(
     stops = None
     if verdicts is not None:
         stops, host = host[-width:], host[:-width]
-    lookup_accepted = host.pop() if tree.from_lookup is not None else None
-    m = sum(node >= 0 for node in host[:width])
+    m, token_ids, lookup_accepted = verification.read_path_packet(host, width, tree.from_lookup is not None)
     stops = None if stops is None else [bool(v) for v in stops[:m]]
     path = padded_path[:m]
-    token_ids = host[width + 1 : width + m] + host[-1:]
     tokens = torch.cat([padded_tokens[1:m], bonus[None]])
     keep_accepted(cache, past, path)
     if internal is None:

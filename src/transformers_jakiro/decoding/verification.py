@@ -83,6 +83,25 @@ def verify(
     return path, bonus
 
 
+def path_packet(tree: DraftTree, path: torch.LongTensor, bonus: torch.LongTensor) -> list[torch.Tensor]:
+    """What a round reads to the host in its one copy, on the device: the padded path [w] (its length: the nodes
+    >= 0), the tokens along it [w], the bonus token [1] and, when the tree has lookup nodes, how many accepted nodes
+    only the n-gram lookup proposed [1]. `read_path_packet` reads it back."""
+    tokens = tree.tokens[path.clamp(min=0)]
+    packet = [path, tokens, bonus[None]]
+    if tree.from_lookup is not None:
+        packet.append((tree.from_lookup[path.clamp(min=0)] & (path >= 0)).sum()[None])
+    return packet
+
+
+def read_path_packet(host: list[int], width: int, lookup: bool) -> tuple[int, list[int], int | None]:
+    """`path_packet` read on the host (`host`: its values, in order; `width`: the padded path's): the path's length
+    m, the round's m new token ids (the accepted draft tokens below the root, then the bonus) and the lookup count
+    (None without lookup nodes)."""
+    m = sum(node >= 0 for node in host[:width])
+    return m, host[width + 1 : width + m] + [host[2 * width]], host[2 * width + 1] if lookup else None
+
+
 @dataclass
 class VerifiedRound:
     """What one verification round accepted; tensors on the target's device, rows in path order (root first).
@@ -132,4 +151,4 @@ class RoundTokens:
     measured: bool = True
 
 
-__all__ = ["RoundTokens", "VerifiedRound", "accept", "path_nodes", "target_choices", "verify"]
+__all__ = ["RoundTokens", "VerifiedRound", "path_packet", "read_path_packet", "accept", "path_nodes", "target_choices", "verify"]
