@@ -108,9 +108,7 @@ def test_refusals_name_the_problem(pairs):
 
     target, draft = pairs("llama")
     greedy = dict(max_new_tokens=8, eos_token_id=-1, pad_token_id=0)
-    with pytest.raises(ValueError, match="greedy requests only"):
-        JakiroContinuousBatchingManager(target, draft, GenerationConfig(do_sample=True, **greedy))
-    with pytest.raises(ValueError, match="without logits processors"):
+    with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
         JakiroContinuousBatchingManager(target, draft, GenerationConfig(repetition_penalty=1.3, **greedy))
     with pytest.raises(ValueError, match="allow_block_sharing=False"):
         JakiroContinuousBatchingManager(target, draft, GenerationConfig(**greedy),
@@ -150,3 +148,96 @@ def test_cache_pressure_offloads_without_corrupting_requests(pages, pairs):
                                 max_new_tokens=40)
     assert [result.error for result in out.values()] == [None] * 6
     assert [result.generated_tokens for result in out.values()] == expected
+
+
+def sampled_in_waves(target, draft, config, cb, settings, prompt, samples: int, wave: int, **request_kwargs):
+    """`samples` requests of `prompt` through one manager, `wave` at a time (so that they share forwards and still
+    draft trees of some size): their generated tokens and stats."""
+    from transformers_jakiro.continuous import JakiroContinuousBatchingManager
+
+    manager = JakiroContinuousBatchingManager(target, draft, config, cb, settings)
+    manager.start()
+    outputs = []
+    try:
+        while len(outputs) < samples:
+            ids = [manager.add_request(prompt, max_new_tokens=config.max_new_tokens, **request_kwargs)
+                   for _ in range(min(wave, samples - len(outputs)))]
+            done = {}
+            while len(done) < len(ids):
+                result = manager.get_result(timeout=10)
+                assert result is not None and result.error is None
+                done[result.request_id] = result
+            processor = manager.batch_processor
+            outputs += [(done[r].generated_tokens, processor.finished_stats.pop(r)) for r in ids]
+    finally:
+        manager.stop(block=True)
+    return outputs
+
+
+@needs_allocators
+@pytest.mark.parametrize("rule", ["one-row rule", "wrong rule"])
+def test_sampling_draws_the_target_distribution(rule, monkeypatch):
+    """Sampling (temperature 0.8, top-k 5, top-p 0.9, transformers' per-request processors as `transformers serve`
+    sets them): the first three tokens of 4000 requests, two decoding at a time, against the target's exact joint
+    distribution (chi-square). The same test with the classic wrong residual rule fails, so it can tell."""
+    from test_sampling import WARPERS, chi_square_p_value, classic_wrong_verify, exact_distribution, \
+        small_target_and_draft
+    from transformers import LogitsProcessorList
+
+    from transformers_jakiro import continuous
+    from transformers_jakiro.continuous import jakiro_cb_config
+
+    target, draft = small_target_and_draft()
+    samples = 4000 if rule == "one-row rule" else 1500
+    if rule == "wrong rule":
+        monkeypatch.setattr(continuous.verification, "verify", classic_wrong_verify)
+    probs = exact_distribution(target, LogitsProcessorList(WARPERS))
+    config = GenerationConfig(do_sample=True, temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=3, eos_token_id=-1,
+                              pad_token_id=0)
+    cb = jakiro_cb_config(page_size=4, num_blocks=64, max_batch_tokens=64, per_request_processors=True)
+    settings = TreeSettings.resolve(draft, total_tokens=10, depth=2, top_k=3, adaptive=False)
+    torch.manual_seed(7)
+    outputs = sampled_in_waves(target, draft, config, cb, settings, [3, 5, 4], samples, wave=2)
+    counts = torch.zeros(8**3, dtype=torch.float64)
+    for tokens, _ in outputs:
+        counts[tokens[0] * 64 + tokens[1] * 8 + tokens[2]] += 1
+    p_value = chi_square_p_value(counts, probs)
+    multi = sum(n > 1 for _, stats in outputs for n in stats.accepted_lengths)
+    print(f"{rule}: p-value {p_value:.3g}, rounds accepting more than one token {multi}")
+    if rule == "wrong rule":
+        assert p_value < 1e-6
+        return
+    assert p_value > 1e-4
+    assert multi > samples // 4  # trees were accepted beyond the root in many rounds, not only the bonus token
+
+
+@needs_allocators
+def test_greedy_requests_among_sampled_ones_match_generate_alone(pairs):
+    """The server's way of mixing settings: a sampling config, greedy requests asking top_k=1 (as transformers' server
+    sends them) decode beside requests sampled at temperature 1.3, and stay identical to greedy `generate` alone."""
+    from transformers_jakiro.continuous import JakiroContinuousBatchingManager, jakiro_cb_config
+
+    target, draft = pairs("llama")
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
+    prompts = prompts_of(31, 6)
+    expected = [alone(target, prompt, greedy) for prompt in prompts]
+    config = GenerationConfig(do_sample=True, temperature=0.9, top_k=50, max_new_tokens=30, eos_token_id=-1,
+                              pad_token_id=0)
+    cb = jakiro_cb_config(page_size=4, num_blocks=256, max_batch_tokens=64, per_request_processors=True)
+    manager = JakiroContinuousBatchingManager(target, draft, config, cb, TreeSettings.resolve(draft, adaptive=False))
+    manager.start()
+    try:
+        ids = []
+        for prompt in prompts:
+            ids.append(manager.add_request(prompt, max_new_tokens=30, top_k=1))
+            manager.add_request(prompt, max_new_tokens=30, temperature=1.3)
+        results = {}
+        while len(results) < 2 * len(prompts):
+            result = manager.get_result(timeout=10)
+            assert result is not None and result.error is None
+            results[result.request_id] = result
+        stats = [manager.batch_processor.finished_stats[r] for r in ids]
+    finally:
+        manager.stop(block=True)
+    assert [results[r].generated_tokens for r in ids] == expected
+    assert max(s.mean_accepted_length for s in stats) > 1.2

@@ -18,7 +18,13 @@ requests take plain steps when the batch's token budget could not hold every tre
 Nothing of transformers is patched. `JakiroContinuousBatchingManager` is transformers' manager; the batch processor it
 builds (by name, inside transformers) becomes a `JakiroBatchProcessor`, a subclass that adds the rounds. The private
 attributes this touches are checked before any work (`check_supported`), with a clear error on transformers versions
-that lay them out otherwise. Greedy decoding only, for now: sampling and logits processors are refused by name.
+that lay them out otherwise.
+
+Sampling: every tree node's logits go through the batch's own logits processors with the request's settings
+(transformers' per-request temperature, top-k and top-p when `per_request_processors`), and the one-row rule accepts
+by sampling the target's pick at every node (`decoding.verification`), so each token is drawn from the target's
+processed distribution given its prefix; plain steps and first tokens are transformers' own samples. Processors that
+depend on the prefix are refused by name (continuous batching applies them to one token, not to the sequence).
 """
 
 import importlib.util
@@ -37,6 +43,7 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 from .decoding import verification
 from .decoding.batch_drafter import BatchDrafter
 from .decoding.drafter import TreeSettings
+from .decoding.logits import PREFIX_FREE_PROCESSORS
 from .decoding.round_controller import PinnedController, RoundChoice, RoundController, batch_tree, choices_for
 from .features import TargetFeatures
 from .stats import JakiroGenerationStats
@@ -51,7 +58,8 @@ _IO_ATTRIBUTES = ("position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k"
 
 def check_supported(target, generation_config: GenerationConfig, cb_config: ContinuousBatchingConfig) -> None:
     """Refuses, by name and before any work, what the rounds cannot do yet: a transformers version whose continuous
-    batching lays its paged cache out otherwise (before 5.25: no page allocators), sampling and logits processors,
+    batching lays its paged cache out otherwise (before 5.25: no page allocators), logits processors whose result
+    depends on the prefix (repetition penalty, minimum length, ...: continuous batching hands them one token),
     attention without a dense mask (flash kernels are causal only), sliding-window layers, prefix sharing (rejected
     nodes would be hashed as cached pages), async batching and CUDA graphs (they replay the inputs of a one-token
     step)."""
@@ -63,15 +71,14 @@ def check_supported(target, generation_config: GenerationConfig, cb_config: Cont
             f"{transformers.__version__}. Upgrade transformers, or serve one request at a time (jakiro serve without "
             "--continuous-batching)."
         )
-    if generation_config.do_sample:
+    processors = target._get_logits_processor(generation_config)
+    prefix_dependent = [type(p).__name__ for p in processors if type(p) not in PREFIX_FREE_PROCESSORS]
+    if prefix_dependent:
         raise ValueError(
-            "Jakiro continuous batching verifies greedy requests only for now (do_sample=False); sample with "
-            "`target.generate(..., assistant_model=draft)` one request at a time, or serve without the draft."
-        )
-    if target._get_logits_processor(generation_config):
-        raise ValueError(
-            "Jakiro continuous batching runs without logits processors for now (temperature, top-k/p, repetition "
-            "penalty...): leave them out of the generation config, or serve without the draft."
+            f"Jakiro continuous batching applies row-wise logits processors only (temperature, top-k, top-p, min-p, "
+            f"...); this generation config adds {', '.join(prefix_dependent)}, which depend on each node's prefix. "
+            "Leave them out of the generation config, decode with `target.generate(..., assistant_model=draft)` one "
+            "request at a time, or serve without the draft."
         )
     attention = target.config._attn_implementation
     if attention not in ("sdpa", "eager", "paged|eager", "paged|sdpa"):
@@ -263,7 +270,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 self._observe(request, self._features[rows], tokens, tokens)
                 counts[request], chains[request] = 1, 0
             else:
-                tokens, accepted, lookup = self._verify(state, tree, rows)
+                tokens, accepted, lookup = self._verify(future, tree, rows)
                 self._observe(request, self._features[rows][accepted], tokens, tokens, lookup)
                 counts[request], chains[request] = len(tokens), lookup or 0
             finished, count = False, 0
@@ -344,18 +351,33 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.drafter.observe(self.rows.index(request), features, torch.tensor(next_tokens, device=device), tokens,
                              lookup)
 
-    def _verify(self, state, tree, rows):
+    def _verify(self, future, tree, rows):
         """A tree's round: the acceptance rule on its nodes' logits, its path's KV entries kept, the rest released.
         Returns the new tokens (host ids), the accepted nodes and how many of them only the n-gram lookup proposed."""
         n = tree.num_nodes
-        logits = self._node_logits(rows)
-        path, bonus = verification.verify(tree, logits, False)
+        state = future.state
+        logits = self._processed(future, tree, self._node_logits(rows))
+        path, bonus = verification.verify(tree, logits, self.do_sample)
         host = torch.cat(verification.path_packet(tree, path, bonus)).tolist()  # the round's one read
         m, tokens, lookup = verification.read_path_packet(host, path.numel(), tree.from_lookup is not None)
         past = state.position_offset - n
         self._keep_path(state.request_id, past, n, host[:m])
         state.position_offset = past + m
         return tokens, path[:m], lookup
+
+    def _processed(self, future, tree, logits: torch.Tensor) -> torch.Tensor:
+        """A tree's node logits through the batch's logits processors, each with the request's own settings (the
+        per-request processors' argument repeated for every node), as transformers processes a plain step's."""
+        processors = self.logit_processor
+        if not processors.do_processing:
+            return logits
+        args = torch.zeros((max(processors.tensors_required, 1), tree.num_nodes), dtype=torch.int32)
+        at = 0
+        for processor in processors.logits_processor:
+            if hasattr(processor, "prepare_tensor_args"):  # a per-request processor: its argument for this request
+                args[at] = processor.prepare_tensor_args([future]).expand(tree.num_nodes)
+                at += 1
+        return processors(tree.tokens, logits, args.to(logits.device))
 
     def _keep_path(self, request: str, past: int, n: int, nodes: list[int]) -> None:
         """The accepted nodes' KV entries moved to the first of the tree's slots, in path order, in every layer; the
