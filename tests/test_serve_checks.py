@@ -41,3 +41,15 @@ def test_finite_requests_pass():
                    "max_tokens": 8}) is None
     assert non_finite_field({"a": [1, 2.5, {"b": "NaN"}], "c": None, "d": True}) is None  # the string "NaN" is text
     assert non_finite_field([0.0, [float("nan")]]) == ("[1][0]", pytest.approx(float("nan"), nan_ok=True))
+
+
+def test_stop_strings_refused_under_continuous_batching_only():
+    """transformers' continuous batching drops `stop`; under it a request with stop strings gets a 400 naming the
+    field instead of an answer that runs past them. Without continuous batching, and with an empty `stop`, it passes."""
+    body = json.dumps({"model": "m", "messages": MESSAGES, "stop": ["\n\n"]}).encode()
+    status, text = RequestChecks(app=None, tokenizer=None, context=None, continuous_batching=True).check(body)
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "stop" and "--continuous-batching" in error["message"]
+    assert RequestChecks(app=None, tokenizer=None, context=None).check(body) is None
+    empty = json.dumps({"model": "m", "messages": MESSAGES, "stop": []}).encode()
+    assert RequestChecks(app=None, tokenizer=None, context=None, continuous_batching=True).check(empty) is None

@@ -98,6 +98,15 @@ def test_streaming_and_a_client_that_goes_away(server, smollm2):
     assert _ask(server, PROMPTS[4]) == _alone(smollm2, PROMPTS[4])
 
 
+def test_stop_strings_get_a_400_naming_the_field(server):
+    """transformers' continuous batching drops `stop`: the server says so instead of answering past the stop string."""
+    client = _client(server)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="continuous batching"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       max_tokens=8, stop=["."])
+
+
 def test_flag_refused_before_5_25_and_passed_through_after(smollm2):
     command = [sys.executable, "-m", "transformers_jakiro.cli", "serve", "--target", TARGET, "--draft", str(HEAD),
                "--continuous-batching", "--print-command"]

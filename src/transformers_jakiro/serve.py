@@ -388,7 +388,8 @@ def _server_main(config: dict) -> int:
             logger.warning("jakiro: serving %s (%s) on http://%s:%d/v1", config["model_id"],
                            "Jakiro draft " + config["settings"]["draft"] if config["settings"] else "no draft",
                            config["host"], config["port"])
-            return RequestChecks(app, tokenizer, context, generation_config)
+            batching = bool((config["settings"] or {}).get("continuous_batching"))
+            return RequestChecks(app, tokenizer, context, generation_config, continuous_batching=batching)
 
         tf_server.build_server = build_server
     else:

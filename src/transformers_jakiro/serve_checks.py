@@ -42,8 +42,9 @@ class RequestChecks:
 
     PATHS = ("/v1/chat/completions",)
 
-    def __init__(self, app, tokenizer, context: int | None, generation_config=None):
+    def __init__(self, app, tokenizer, context: int | None, generation_config=None, continuous_batching: bool = False):
         self.app = app
+        self.continuous_batching = continuous_batching  # transformers' continuous batching drops `stop` (5.25)
         self.tokenizer = tokenizer
         self.context = context
         self.generation_config = generation_config  # the served model's, for `sampling_config`
@@ -96,6 +97,11 @@ class RequestChecks:
         if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                                   or not 0 < top_p <= 1):
             return _openai_error(f"`top_p` must be a number in (0, 1], got {top_p!r}.", "top_p")
+        if self.continuous_batching and body.get("stop"):
+            return _openai_error(
+                "`stop` is not applied under continuous batching (transformers' continuous batching drops it and would "
+                "answer past the stop string): leave `stop` out, or run jakiro serve without --continuous-batching.",
+                "stop")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
