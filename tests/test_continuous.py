@@ -37,7 +37,7 @@ def alone(target, prompt: list[int], config: GenerationConfig) -> list[int]:
 @needs_allocators
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("lookup", [0, 4])
-def test_requests_identical_to_generate_alone(arch, lookup, pairs):
+def test_requests_identical_to_generate_alone(arch, lookup, pairs, tmp_path, monkeypatch):
     """Six requests at once, prompts of 2-40 tokens; pages of 4 tokens (trees cross pages); a batch budget of 48
     tokens (long prompts' prefills are split, and trees are cut to fit); the pinned tree and the round controller;
     max_new_tokens 1 and 30; an EOS inside an accepted path (a token request 0 emits at its 6th step)."""
@@ -47,6 +47,8 @@ def test_requests_identical_to_generate_alone(arch, lookup, pairs):
     settings = TreeSettings.resolve(draft, lookup_tokens=lookup, adaptive=lookup > 0)  # pinned tree, controller
     prompts = prompts_of(5 + ARCHS.index(arch), 6)
     for max_new, eos in [(1, -1), (30, -1), (30, "step 6")]:
+        # no round costs from earlier runs: the controller tries every choice, trees included
+        monkeypatch.setenv("JAKIRO_ROUND_COSTS", str(tmp_path / f"costs-{max_new}-{eos}.json"))
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=-1, pad_token_id=0)
         if eos == "step 6":
             config.eos_token_id = alone(target, prompts[0], config)[5]
@@ -241,3 +243,35 @@ def test_greedy_requests_among_sampled_ones_match_generate_alone(pairs):
         manager.stop(block=True)
     assert [results[r].generated_tokens for r in ids] == expected
     assert max(s.mean_accepted_length for s in stats) > 1.2
+
+
+@needs_allocators
+def test_round_costs_are_kept_for_the_next_server(pairs, tmp_path, monkeypatch):
+    """The controllers' measured round costs per count of decoding requests go to the per-machine cache when the
+    batch goes idle; the next manager's controllers start from them instead of trying every choice first."""
+    from transformers_jakiro.continuous import JakiroContinuousBatchingManager, jakiro_cb_config
+    from transformers_jakiro.decoding import round_controller
+
+    monkeypatch.setenv("JAKIRO_ROUND_COSTS", str(tmp_path / "round_costs.json"))
+    target, draft = pairs("llama")
+    config = GenerationConfig(do_sample=False, max_new_tokens=24, eos_token_id=-1, pad_token_id=0)
+    settings = TreeSettings.resolve(draft, adaptive=True)
+    managers, saved = [], []
+    for _ in range(2):
+        manager = JakiroContinuousBatchingManager(target, draft, config, jakiro_cb_config(page_size=4, num_blocks=128),
+                                                  settings)
+        manager.start()
+        try:
+            ids = [manager.add_request(prompt, max_new_tokens=24) for prompt in prompts_of(41, 2)]
+            for _ in ids:
+                assert manager.get_result(timeout=30) is not None
+            deadline = time.time() + 10
+            while not manager.batch_processor._idle and time.time() < deadline:
+                time.sleep(0.05)
+            managers.append(manager.batch_processor)
+        finally:
+            manager.stop(block=True)
+        saved.append(round_controller.load_costs(managers[-1].controllers[2].key))
+    first, second = (processor.controllers[2] for processor in managers)
+    assert "continuous-batching" in first.key and set(saved[0]) == {c.name for c in first.choices}
+    assert first.cost_priors == {} and second.cost_priors == saved[0]

@@ -44,7 +44,16 @@ from .decoding import verification
 from .decoding.batch_drafter import BatchDrafter
 from .decoding.drafter import TreeSettings
 from .decoding.logits import PREFIX_FREE_PROCESSORS
-from .decoding.round_controller import PinnedController, RoundChoice, RoundController, batch_tree, choices_for
+from .decoding.round_controller import (
+    PinnedController,
+    RoundChoice,
+    RoundController,
+    batch_tree,
+    choices_for,
+    load_costs,
+    machine_key,
+    save_costs,
+)
 from .features import TargetFeatures
 from .stats import JakiroGenerationStats
 
@@ -311,10 +320,14 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
 
     def _went_idle(self) -> None:
         """Nothing to schedule: the draft state of requests cancelled since the last step goes, and once per idle
-        spell a log line says what requests still hold (0 everywhere when nothing leaked)."""
+        spell the round controllers' costs go to the per-machine cache and a log line says what requests still hold
+        (0 everywhere when nothing leaked)."""
         self._forget_gone()
         if not self._idle:
             self._idle = True
+            for controller in self.controllers.values():
+                if isinstance(controller, RoundController):
+                    save_costs(controller.key, controller.learned_costs())
             logger.info("jakiro continuous batching idle: %d KV pages held, %d draft rows, %d trees",
                         self.held_pages(), len(self.rows), len(self.trees))
 
@@ -400,7 +413,9 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
     def _controller(self, decoding: int):
         """The round controller for this many decoding requests (rounded up to a power of two): its choices are the
         configured tree's node budget shared by the requests (`round_controller.batch_tree`), a smaller tree, lookup
-        chains alone and a plain step, chosen by measured tokens per second (`round_controller.RoundController`)."""
+        chains alone and a plain step, chosen by measured tokens per second (`round_controller.RoundController`), with
+        the round costs this machine measured before at this count as priors (the per-machine cache, saved when the
+        batch goes idle), so that a new server does not start by trying every choice again."""
         bucket = 1 << (decoding - 1).bit_length()
         if bucket not in self.controllers:
             settings = self.settings
@@ -409,7 +424,9 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 self.controllers[bucket] = PinnedController(RoundChoice("tree", total, depth, top_k))
             else:
                 choices = choices_for(total, depth, top_k, settings.lookup_tokens > 0, fixed_shape=False)
-                self.controllers[bucket] = RoundController(choices, key="continuous-batching")
+                key = machine_key(self.target, "continuous-batching", bucket)
+                self.controllers[bucket] = RoundController(choices, cost_priors=load_costs(key), key=key,
+                                                           mode="sampling" if self.do_sample else "greedy")
         return self.controllers[bucket]
 
     def _draft_trees(self, states) -> None:
