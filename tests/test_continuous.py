@@ -275,3 +275,30 @@ def test_round_costs_are_kept_for_the_next_server(pairs, tmp_path, monkeypatch):
     first, second = (processor.controllers[2] for processor in managers)
     assert "continuous-batching" in first.key and set(saved[0]) == {c.name for c in first.choices}
     assert first.cost_priors == {} and second.cost_priors == saved[0]
+
+
+@needs_allocators
+def test_copy_runs_bring_their_chain_when_the_batch_steps_plainly(monkeypatch):
+    """With the batch's choice a plain step every round, requests whose text copies an earlier passage (a target that
+    cycles) still bring their lookup chain: copy runs accept several tokens per forward, output identical to
+    `generate` alone."""
+    from test_lookup import CYCLE, cycle_target
+
+    from transformers_jakiro import JakiroDraftModel
+    from transformers_jakiro.continuous import JakiroBatchProcessor, jakiro_cb_config, jakiro_generate_batch
+    from transformers_jakiro.decoding.round_controller import PinnedController, RoundChoice
+
+    monkeypatch.setattr(JakiroBatchProcessor, "_controller", lambda self, n: PinnedController(RoundChoice("plain")))
+    target = cycle_target(CYCLE)
+    draft = JakiroDraftModel.from_target(target)
+    prompts = [CYCLE + CYCLE[:5], CYCLE[3:] + CYCLE[:8], CYCLE[:9], CYCLE * 2]
+    config = GenerationConfig(do_sample=False, max_new_tokens=40, eos_token_id=-1, pad_token_id=0)
+    expected = [alone(target, prompt, config) for prompt in prompts]
+    settings = TreeSettings.resolve(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10)
+    out = jakiro_generate_batch(target, draft, prompts, config, jakiro_cb_config(page_size=4, num_blocks=128),
+                                settings=settings, max_new_tokens=40)
+    assert [result.generated_tokens for result in out.values()] == expected
+    for result in out.values():
+        stats = result.jakiro_stats
+        assert set(stats.choice_counts) <= {"prefill", "plain", "copy run"} and stats.choice_counts["copy run"] >= 3
+        assert stats.mean_accepted_length > 3  # nearly every token came from a chain

@@ -432,7 +432,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
     def _draft_trees(self, states) -> None:
         """The round the decoding requests run next, one choice for all (`_controller`), cut to the batch's token budget
         (`_fitted`); a tree round's draft forwards run once for every request (`BatchDrafter`), lookup chains are each
-        request's own."""
+        request's own. When the choice is a plain step, a request that is copying an earlier passage still brings its
+        lookup chain (a copy run)."""
         self._chosen = None
         self._round_started = time.perf_counter()  # the round's drafting counts in its cost
         if not states:
@@ -444,21 +445,28 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         decoding = {state.request_id for state in states}
         if choice.kind == "tree" and not set(self.rows) <= decoding:  # a row without new positions cannot be read
             choice = RoundChoice("plain")
+        copying = None
         if choice.kind == "plain":
-            return
+            # Requests whose last tokens continued their lookup chain (copying an earlier passage) bring that chain
+            # instead of a plain step: a copy run, verified for that request alone and not counted as either choice.
+            copied = self.drafter.copied if self.settings.lookup_tokens > 0 else []
+            copying = {request for request, copied in zip(self.rows, copied) if copied} & decoding
+            if not copying or self._fitted(RoundChoice("lookup"), len(states)).kind == "plain":
+                return
+            choice, self._chosen = RoundChoice("lookup"), None
         active = self.scheduler.active_requests
         roots = torch.tensor([active[request].generated_tokens[-1] for request in self.rows],
                              device=self.draft.fc.weight.device)
         trees, _ = self.drafter.propose(roots, choice)
         for request, tree in zip(self.rows, trees):
             state = active.get(request)
-            if request not in decoding or tree.num_nodes == 1:
+            if request not in decoding or tree.num_nodes == 1 or (copying is not None and request not in copying):
                 continue
             # Under cache pressure a tree that could not get its pages now is a plain step instead (never split or
             # left waiting with tree tokens that a later schedule would take for a plain step's).
             if not self.cache.can_store_request_tokens(state, tree.num_nodes, dry_run=True):
                 continue
-            self.trees[request] = (tree, choice.name)
+            self.trees[request] = (tree, choice.name if copying is None else "copy run")
             state.tokens_to_process = tree.tokens.tolist()
 
     def _fitted(self, choice: RoundChoice, requests: int) -> RoundChoice:
