@@ -302,3 +302,36 @@ def test_copy_runs_bring_their_chain_when_the_batch_steps_plainly(monkeypatch):
         stats = result.jakiro_stats
         assert set(stats.choice_counts) <= {"prefill", "plain", "copy run"} and stats.choice_counts["copy run"] >= 3
         assert stats.mean_accepted_length > 3  # nearly every token came from a chain
+
+
+@needs_allocators
+def test_draft_catch_up_is_charged_to_the_rounds_that_left_it(pairs, monkeypatch):
+    """A tree round after plain steps first reads the positions those steps left to the draft: that time reaches the
+    controller as deferred (charged to the plain steps), not as the tree's cost; outputs stay exact."""
+    from transformers_jakiro.continuous import JakiroBatchProcessor, jakiro_cb_config, jakiro_generate_batch
+    from transformers_jakiro.decoding.round_controller import RoundChoice
+
+    class Scripted:  # plain, plain, plain, tree, ...: a tree round follows every plain spell
+        def __init__(self):
+            self.rounds, self.recorded = 0, []
+
+        def choose(self, *signals):
+            self.rounds += 1
+            return RoundChoice("tree", 4, 2, 2) if self.rounds % 4 == 0 else RoundChoice("plain")
+
+        def record(self, choice, tokens, seconds, chain_tokens=0.0, deferred_s=0.0):
+            self.recorded.append((choice.kind, seconds, deferred_s))
+
+    scripted = Scripted()
+    monkeypatch.setattr(JakiroBatchProcessor, "_controller", lambda self, n: scripted)
+    target, draft = pairs("llama")
+    prompts = prompts_of(51, 2)
+    config = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
+    expected = [alone(target, prompt, config) for prompt in prompts]
+    out = jakiro_generate_batch(target, draft, prompts, config, jakiro_cb_config(page_size=4, num_blocks=128),
+                                settings=TreeSettings.resolve(draft, lookup_tokens=0), max_new_tokens=30)
+    assert [result.generated_tokens for result in out.values()] == expected
+    trees = [(seconds, deferred) for kind, seconds, deferred in scripted.recorded if kind == "tree"]
+    plains = [deferred for kind, _, deferred in scripted.recorded if kind == "plain"]
+    assert len(trees) >= 3 and all(deferred > 0 for _, deferred in trees[1:])  # after the first, each read a spell
+    assert all(seconds > 0 for seconds, _ in trees) and not any(plains)

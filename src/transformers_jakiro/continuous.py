@@ -163,6 +163,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.controllers = {}  # per number of decoding requests (a power of two): its round controller
         self._chosen = None  # (controller, choice, requests) of the round drafted last
         self._round_started = None
+        self._catch_up_s = 0.0
         self._idle = False  # since the last idle line, nothing was scheduled
         self._starts = []  # this step's query rows per request: request i has rows [starts[i], starts[i + 1])
         self.copy_streak: dict[str, int] = {}  # per request: its last rounds in a row that continued its lookup chain
@@ -441,6 +442,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         lookup chain (a copy run)."""
         self._chosen = None
         self._round_started = time.perf_counter()  # the round's drafting counts in its cost
+        self._catch_up_s = 0.0  # of which reading positions that earlier rounds left to the draft
         if not states:
             return
         controller = self._controller(len(states))
@@ -465,6 +467,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         roots = torch.tensor([active[request].generated_tokens[-1] for request in self.rows],
                              device=self.draft.fc.weight.device)
         trees, _ = self.drafter.propose(roots, choice)
+        self._catch_up_s = self.drafter.catch_up_s
         for request, tree in zip(self.rows, trees):
             state = active.get(request)
             if request not in decoding or tree.num_nodes == 1 or (copying is not None and request not in copying):
@@ -498,8 +501,12 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         controller, choice, requests = chosen
         if {future.state.request_id for future in batch} != requests or set(counts) != requests:
             return
-        seconds = time.perf_counter() - self._round_started  # its drafting, the step's packing, forward and update
-        controller.record(choice, sum(counts.values()) / len(counts), seconds, sum(chains.values()) / len(counts))
+        # Its drafting, the step's packing, forward and update; the draft's reading of positions that earlier plain
+        # and lookup rounds left goes to those rounds' cost (else a tree after a plain spell pays for the spell, looks
+        # dear, and plain steps lock in).
+        seconds = time.perf_counter() - self._round_started - self._catch_up_s
+        controller.record(choice, sum(counts.values()) / len(counts), seconds, sum(chains.values()) / len(counts),
+                          self._catch_up_s)
 
 
 class JakiroContinuousBatchingManager(ContinuousBatchingManager):
