@@ -214,10 +214,20 @@ def test_sampling_draws_the_target_distribution(rule, monkeypatch):
 
 
 @needs_allocators
-def test_greedy_requests_among_sampled_ones_match_generate_alone(pairs):
+@pytest.mark.parametrize("lazy_leaves", [True, False])
+def test_greedy_requests_among_sampled_ones_match_generate_alone(lazy_leaves, pairs, monkeypatch):
     """The server's way of mixing settings: a sampling config, greedy requests asking top_k=1 (as transformers' server
-    sends them) decode beside requests sampled at temperature 1.3, and stay identical to greedy `generate` alone."""
-    from transformers_jakiro.continuous import JakiroContinuousBatchingManager, jakiro_cb_config
+    sends them) decode beside requests sampled at temperature 1.3, and stay identical to greedy `generate` alone;
+    with leaves' logits computed only where a path ends (the CPU's way) and at every node (an accelerator's)."""
+    from transformers_jakiro.continuous import JakiroBatchProcessor, JakiroContinuousBatchingManager, jakiro_cb_config
+
+    attach = JakiroBatchProcessor.attach
+
+    def attach_with(self, *args):
+        attach(self, *args)
+        self.lazy_leaves = lazy_leaves
+
+    monkeypatch.setattr(JakiroBatchProcessor, "attach", attach_with)
 
     target, draft = pairs("llama")
     greedy = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)

@@ -153,6 +153,10 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         # otherwise (a model that scales or caps logits after it) the forward keeps every row's.
         self.head = target.get_output_embeddings()
         self.head_checked = False
+        # On a CPU a row of the output layer costs as much as several of a small target's layers: logits at a tree's
+        # internal nodes only, and at the one leaf where an accepted path ends (as `row_rounds.lazy_leaf_head`).
+        self.lazy_leaves = target.get_input_embeddings().weight.device.type == "cpu"
+        self._internal = {}  # this step's trees' internal nodes per request (lazy leaves)
         self.drafter = BatchDrafter(draft, settings, 0)
         self.rows: list[str] = []  # the drafter's rows: the requests that decode
         self.trees = {}  # request id -> (the tree it brings to the next forward, the round's name)
@@ -214,27 +218,33 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
 
     def _trees_logits(self) -> None:
         """The logits at every tree node of this forward, in one product of the output layer over their rows
-        (`_node_logits` hands out each request's)."""
-        self._tree_rows = {}
+        (`_node_logits` hands out each request's). On a CPU only at nodes with children (`lazy_leaves`)."""
+        self._tree_rows, self._internal = {}, {}
         if self.head is None:
             return
         batch, starts = self.inputs_and_outputs.requests_in_batch, self._starts
         rows, at = [], 0
         for i, future in enumerate(batch):
-            if future.state.request_id in self.trees:
-                rows.append(torch.arange(starts[i], starts[i + 1]))
+            request = future.state.request_id
+            if request in self.trees:
+                nodes = torch.arange(starts[i + 1] - starts[i])
+                if self.lazy_leaves:
+                    nodes = self._internal[request] = self.trees[request][0].internal_nodes().cpu()
+                rows.append(starts[i] + nodes)
                 self._tree_rows[starts[i]] = at
-                at += starts[i + 1] - starts[i]
+                at += nodes.numel()
         if rows:
             hidden = self._features[torch.cat(rows).to(self._features.device), -self.head.weight.shape[1] :]
             self._tree_logits = self.head(hidden).float()
 
-    def _node_logits(self, rows: slice) -> torch.Tensor:
-        """[nodes, vocab] float32 logits at the query rows `rows` (one request's tree)."""
+    def _node_logits(self, request: str, rows: slice) -> torch.Tensor:
+        """[nodes, vocab] float32 logits at the query rows `rows` (one request's tree); with `lazy_leaves`, at its
+        internal nodes only (`self._internal[request]`)."""
         if self.head is None:
             return self._logits[0, rows].float()
         at = self._tree_rows[rows.start]
-        return self._tree_logits[at : at + rows.stop - rows.start]
+        count = self._internal[request].numel() if request in self._internal else rows.stop - rows.start
+        return self._tree_logits[at : at + count]
 
     @torch.no_grad()
     def _generation_step(self, model) -> None:
@@ -375,8 +385,15 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         Returns the new tokens (host ids), the accepted nodes and how many of them only the n-gram lookup proposed."""
         n = tree.num_nodes
         state = future.state
-        logits = self._processed(future, tree, self._node_logits(rows))
-        path, bonus = verification.verify(tree, logits, self.do_sample)
+        logits = self._processed(future, self._node_logits(state.request_id, rows))
+        leaf_logits = None
+        if state.request_id in self._internal:  # leaves' logits: only where the accepted path ends, one row
+
+            def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
+                hidden = self._features[rows.start + int(node), -self.head.weight.shape[1] :]
+                return self._processed(future, self.head(hidden[None]).float())[0]
+
+        path, bonus = verification.verify(tree, logits, self.do_sample, leaf_logits)
         host = torch.cat(verification.path_packet(tree, path, bonus)).tolist()  # the round's one read
         m, tokens, lookup = verification.read_path_packet(host, path.numel(), tree.from_lookup is not None)
         past = state.position_offset - n
@@ -384,19 +401,22 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         state.position_offset = past + m
         return tokens, path[:m], lookup
 
-    def _processed(self, future, tree, logits: torch.Tensor) -> torch.Tensor:
-        """A tree's node logits through the batch's logits processors, each with the request's own settings (the
-        per-request processors' argument repeated for every node), as transformers processes a plain step's."""
+    def _processed(self, future, logits: torch.Tensor) -> torch.Tensor:
+        """Tree nodes' logits ([nodes, vocab]) through the batch's logits processors, each with the request's own
+        settings (the per-request processors' argument repeated for every node), as transformers processes a plain
+        step's. The processors are row-wise and ignore the ids (`check_supported`)."""
         processors = self.logit_processor
         if not processors.do_processing:
             return logits
-        args = torch.zeros((max(processors.tensors_required, 1), tree.num_nodes), dtype=torch.int32)
+        nodes = logits.shape[0]
+        args = torch.zeros((max(processors.tensors_required, 1), nodes), dtype=torch.int32)
         at = 0
         for processor in processors.logits_processor:
             if hasattr(processor, "prepare_tensor_args"):  # a per-request processor: its argument for this request
-                args[at] = processor.prepare_tensor_args([future]).expand(tree.num_nodes)
+                args[at] = processor.prepare_tensor_args([future]).expand(nodes)
                 at += 1
-        return processors(tree.tokens, logits, args.to(logits.device))
+        ids = torch.zeros(nodes, dtype=torch.long, device=logits.device)
+        return processors(ids, logits, args.to(logits.device))
 
     def _keep_path(self, request: str, past: int, n: int, nodes: list[int]) -> None:
         """The accepted nodes' KV entries moved to the first of the tree's slots, in path order, in every layer; the
