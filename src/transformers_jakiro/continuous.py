@@ -409,14 +409,11 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         if not processors.do_processing:
             return logits
         nodes = logits.shape[0]
-        args = torch.zeros((max(processors.tensors_required, 1), nodes), dtype=torch.int32)
-        at = 0
-        for processor in processors.logits_processor:
-            if hasattr(processor, "prepare_tensor_args"):  # a per-request processor: its argument for this request
-                args[at] = processor.prepare_tensor_args([future]).expand(nodes)
-                at += 1
+        # transformers' own packing of the request's arguments (one column), then repeated for every node
+        args = processors.prepare_tensor_args([future], torch.zeros((max(processors.tensors_required, 1), 1),
+                                                                    dtype=torch.int32))
         ids = torch.zeros(nodes, dtype=torch.long, device=logits.device)
-        return processors(ids, logits, args.to(logits.device))
+        return processors(ids, logits, args.expand(-1, nodes).to(logits.device))
 
     def _keep_path(self, request: str, past: int, n: int, nodes: list[int]) -> None:
         """The accepted nodes' KV entries moved to the first of the tree's slots, in path order, in every layer; the
@@ -479,7 +476,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             # neither choice. One matching token is weak evidence: on MT-bench (SmolLM2, 8 clients) copy runs after
             # any one cost 6% of the throughput.
             copying = {request for request in self.rows if self.copy_streak.get(request, 0) >= COPY_RUN_AFTER}
-            copying &= decoding if self.settings.lookup_tokens > 0 else set()
+            copying &= decoding  # (without lookup no row ever copies: its streak stays 0)
             if not copying or self._fitted(RoundChoice("lookup"), len(states)).kind == "plain":
                 return
             choice, self._chosen = RoundChoice("lookup"), None

@@ -541,7 +541,7 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--log-level", default="warning", help="transformers' log level in the server")
     parser.add_argument("--continuous-batching", action="store_true",
                         help="transformers' continuous batching: concurrent requests share each forward, each verifying "
-                             "its own Jakiro tree (greedy; transformers >= 5.25)")
+                             "its own Jakiro tree (transformers >= 5.25)")
     parser.add_argument("--cb-num-blocks", type=int, default=None,
                         help=f"KV cache pages (transformers' --cb-num-blocks; default {CB_NUM_BLOCKS})")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=None,
