@@ -355,3 +355,26 @@ def test_the_round_controller_sees_copy_runs(monkeypatch, tmp_path):
             got = target.generate(**inputs, do_sample=False, max_new_tokens=40, assistant_model=draft)
         assert torch.equal(got, expected)
         assert len(seen) > 3 and not seen[0] and all(seen[1:])  # nothing before the first round; copying after
+
+
+@pytest.mark.parametrize("chains", [True, False])
+def test_a_tree_choice_carries_lookup_chains_only_if_it_says_so(monkeypatch, tmp_path, chains):
+    """A tree choice without chains (`choices_for`'s smaller tree) is verified without the ready lookup chain, one row
+    and a batch alike, where the same tree with chains accepts chain tokens; the output is exact either way."""
+    from transformers_jakiro.decoding import round_controller
+
+    monkeypatch.setenv("JAKIRO_ROUND_COSTS", str(tmp_path / "round_costs.json"))
+    choice = round_controller.RoundChoice("tree", 2, 1, 2, chains=chains)
+    monkeypatch.setattr(round_controller, "choices_for", lambda *args: [choice, round_controller.RoundChoice("plain")])
+    monkeypatch.setattr(round_controller.RoundController, "choose", lambda self, *args, **kwargs: choice)
+    target = cycle_target(CYCLE)
+    draft = JakiroDraftModel.from_target(target)
+    prompts = torch.tensor([CYCLE + CYCLE[:5], CYCLE[3:] + CYCLE[:8]])  # the target copies the cycle from here on
+    for batch in (prompts[:1], prompts):
+        inputs = dict(input_ids=batch, attention_mask=torch.ones_like(batch))
+        expected = target.generate(**inputs, do_sample=False, max_new_tokens=30)
+        with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
+            got = target.generate(**inputs, do_sample=False, max_new_tokens=30, assistant_model=draft)
+        assert torch.equal(got, expected)
+        stats = draft.last_generation_stats
+        assert (stats.lookup_accepted > 0) == chains

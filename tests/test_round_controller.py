@@ -15,7 +15,7 @@ from transformers_jakiro.decoding import round_controller
 from transformers_jakiro.decoding.round_controller import RoundChoice, RoundController, choices_for
 from transformers_jakiro.decoding.drafter import TreeSettings
 
-FULL, SMALL = RoundChoice("tree", 24, 4, 6), RoundChoice("tree", 8, 2, 4)
+FULL, SMALL = RoundChoice("tree", 24, 4, 6), RoundChoice("tree", 3, 2, 4, chains=False)
 LOOKUP, PLAIN = RoundChoice("lookup"), RoundChoice("plain")
 
 
@@ -151,14 +151,21 @@ def test_an_unmeasured_tree_is_placed_relative_to_the_measured_one():
     assert guess.shape(SMALL) == pytest.approx(round_controller.prior_tokens(SMALL) - 1)
 
 
-def test_lookup_chain_tokens_count_for_every_tree_when_a_chain_is_ready():
-    controller = RoundController([FULL, SMALL, LOOKUP, PLAIN], token_priors={FULL.name: 2.0, SMALL.name: 1.5})
-    without = controller.expected_tokens(SMALL, lookup_ready=True)
+def test_lookup_chain_tokens_count_for_the_trees_that_carry_chains_when_a_chain_is_ready():
+    carrying = RoundChoice("tree", 8, 2, 4)  # a smaller tree that carries chains, unlike `choices_for`'s SMALL
+    controller = RoundController([FULL, carrying, SMALL, LOOKUP, PLAIN],
+                                 token_priors={FULL.name: 2.0, carrying.name: 1.5, SMALL.name: 1.5})
+    without = controller.expected_tokens(carrying, lookup_ready=True)
+    small = controller.expected_tokens(SMALL, lookup_ready=True)
     for _ in range(10):
         controller.choose(True)
         controller.record(FULL, 5.0, 1.0, chain_tokens=3.0)  # 3 of the 4 accepted tokens came from the chain
-    assert controller.expected_tokens(SMALL, lookup_ready=True) > without + 2.0
-    assert controller.expected_tokens(SMALL, lookup_ready=False) < without + 0.5  # no chain, no chain tokens
+    assert controller.expected_tokens(carrying, lookup_ready=True) > without + 2.0
+    assert controller.expected_tokens(carrying, lookup_ready=False) < without + 0.5  # no chain, no chain tokens
+    assert controller.expected_tokens(SMALL, lookup_ready=True) < small + 0.5  # it never carries the chain
+    controller.choose(True)
+    controller.record(SMALL, 2.0, 1.0, chain_tokens=0.0)  # its rounds do not tell what chains add
+    assert controller.chain_tokens[""].mean() == pytest.approx(3.0)
 
 
 def test_a_deferred_draft_read_is_charged_to_the_round_that_left_it():

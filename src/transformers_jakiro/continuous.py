@@ -27,6 +27,7 @@ processed distribution given its prefix; plain steps and first tokens are transf
 depend on the prefix are refused by name (continuous batching applies them to one token, not to the sequence).
 """
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -506,8 +507,10 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         if choice.kind != "tree" or choice.total_tokens + lookup_nodes <= room:
             return choice
         total = room - lookup_nodes
-        return RoundChoice("tree", total, min(choice.depth, total), min(choice.top_k, total)) if total >= 1 else \
-            RoundChoice("plain")
+        if total < 1:
+            return RoundChoice("plain")
+        depth, top_k = min(choice.depth, total), min(choice.top_k, total)
+        return dataclasses.replace(choice, total_tokens=total, depth=depth, top_k=top_k)
 
     def _record_round(self, batch, counts: dict, chains: dict) -> None:
         """The last choice's outcome for the round controller, from a step that decoded exactly the requests it was

@@ -44,6 +44,7 @@ class RoundChoice:
     total_tokens: int = 0
     depth: int = 0
     top_k: int = 0
+    chains: bool = True  # a tree: the round's lookup chains (when lookup is on and one is ready) are grafted onto it
 
     @property
     def name(self) -> str:
@@ -53,10 +54,17 @@ class RoundChoice:
 def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_shape: bool) -> list[RoundChoice]:
     """The configured tree, a smaller tree (not with fixed shapes: every tree is padded to one size there, so a
     smaller one would save only draft levels), lookup alone when lookup is on, and a plain step; in the order they
-    are first tried."""
+    are first tried.
+
+    The smaller tree is the cheapest draft round: half the levels, as many nodes as levels (the contrastive one
+    included), the best-ranked of up to 4 candidates per parent, and no lookup chains grafted. It is for targets
+    where every verified node costs compute: on a CPU, SmolLM2-135M fp32 on 1 thread, a 3-token forward costs 1.18x
+    a one-token step and a 4- to 6-token one about 1.6x, so a third of the configured tree (or a one-token chain
+    grafted onto the smaller tree) lost to plain steps (docs/experiments/round-cost.md, RCOST-6)."""
     full = RoundChoice("tree", total_tokens, depth, top_k)
     options = [full]
-    small = RoundChoice("tree", total_tokens // 3, max(1, (depth + 1) // 2), max(1, min(top_k, 4)))
+    small_depth = max(1, (depth + 1) // 2)
+    small = RoundChoice("tree", min(total_tokens // 3, small_depth + 1), small_depth, max(1, min(top_k, 4)), False)
     if not fixed_shape and small.total_tokens >= 2:
         options.append(small)
     if lookup:
@@ -180,7 +188,7 @@ class RoundController:
             prior = self.token_priors.get(_yield_key(choice, copying), prior_tokens(choice, copying=copying))
             return self.lookup_yield[context].mean(prior, PRIOR_ROUNDS)
         tokens = 1.0 + self.shape(choice) * self.draftability(copying)
-        if self._lookup_on and lookup_ready:
+        if self._lookup_on and lookup_ready and choice.chains:
             prior = max(COPYING_PRIOR - prior_tokens(choice), 0.0) if copying else 0.0
             tokens += self.chain_tokens[context].mean(prior, PRIOR_ROUNDS)
         return tokens
@@ -252,7 +260,7 @@ class RoundController:
                 shape = self.shapes[choice.name]
                 shape.weight, shape.total = shape.weight * SHAPE_DISCOUNT, shape.total * SHAPE_DISCOUNT
                 shape.add(drafted / self.draftability(self._copying))
-            if self._lookup_on and self._lookup_ready:
+            if self._lookup_on and self._lookup_ready and choice.chains:
                 self.chain_tokens[context].add(float(chain_tokens))
         self.costs[choice.name].decay()
         self.costs[choice.name].add(float(seconds))
