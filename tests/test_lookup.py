@@ -357,24 +357,53 @@ def test_the_round_controller_sees_copy_runs(monkeypatch, tmp_path):
         assert len(seen) > 3 and not seen[0] and all(seen[1:])  # nothing before the first round; copying after
 
 
+def test_carries_chains():
+    from transformers_jakiro.decoding.round_controller import RoundChoice
+
+    assert RoundChoice("tree", 8, 2, 4).carries_chains(copying=False)
+    assert not RoundChoice("tree", 2, 1, 4, chains=False).carries_chains(copying=False)
+    assert RoundChoice("tree", 2, 1, 4, chains=False).carries_chains(copying=True)  # a copy run's chain goes along
+    assert not RoundChoice("plain").carries_chains(copying=True)
+
+
 @pytest.mark.parametrize("chains", [True, False])
-def test_a_tree_choice_carries_lookup_chains_only_if_it_says_so(monkeypatch, tmp_path, chains):
-    """A tree choice without chains (`choices_for`'s smaller tree) is verified without the ready lookup chain, one row
-    and a batch alike, where the same tree with chains accepts chain tokens; the output is exact either way."""
+def test_a_tree_choice_carries_lookup_chains_as_it_says(monkeypatch, tmp_path, chains):
+    """A tree choice with `chains=False` (`choices_for`'s smaller tree) carries a ready lookup chain only in a copy run
+    (the row's last round continued its chain), one row and a batch alike; with chains, in any round. Exact either
+    way."""
     from transformers_jakiro.decoding import round_controller
+    from transformers_jakiro.decoding.batch_drafter import BatchDrafter
 
     monkeypatch.setenv("JAKIRO_ROUND_COSTS", str(tmp_path / "round_costs.json"))
     choice = round_controller.RoundChoice("tree", 2, 1, 2, chains=chains)
     monkeypatch.setattr(round_controller, "choices_for", lambda *args: [choice, round_controller.RoundChoice("plain")])
     monkeypatch.setattr(round_controller.RoundController, "choose", lambda self, *args, **kwargs: choice)
+    grafted = []  # per row and round: (copying, lookup nodes in its tree)
+    one_row, batch_propose = JakiroCandidateGenerator.get_candidates, BatchDrafter.propose
+
+    def spy_one_row(self, *args, **kwargs):
+        copying = self.copying
+        tree = one_row(self, *args, **kwargs)
+        grafted.append((copying, tree.from_lookup is not None))
+        return tree
+
+    def spy_batch(self, *args, **kwargs):
+        copied = list(self.copied)
+        trees, name = batch_propose(self, *args, **kwargs)
+        grafted.extend((c, tree.from_lookup is not None) for c, tree in zip(copied, trees))
+        return trees, name
+
+    monkeypatch.setattr(JakiroCandidateGenerator, "get_candidates", spy_one_row)
+    monkeypatch.setattr(BatchDrafter, "propose", spy_batch)
     target = cycle_target(CYCLE)
     draft = JakiroDraftModel.from_target(target)
     prompts = torch.tensor([CYCLE + CYCLE[:5], CYCLE[3:] + CYCLE[:8]])  # the target copies the cycle from here on
     for batch in (prompts[:1], prompts):
+        grafted.clear()
         inputs = dict(input_ids=batch, attention_mask=torch.ones_like(batch))
         expected = target.generate(**inputs, do_sample=False, max_new_tokens=30)
         with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
             got = target.generate(**inputs, do_sample=False, max_new_tokens=30, assistant_model=draft)
         assert torch.equal(got, expected)
-        stats = draft.last_generation_stats
-        assert (stats.lookup_accepted > 0) == chains
+        assert any(g for c, g in grafted if c)  # copy runs carry their chain
+        assert any(g for c, g in grafted if not c) == chains  # elsewhere only with chains

@@ -95,8 +95,8 @@ class BatchDrafter:
 
     def propose(self, roots: torch.LongTensor, choice: RoundChoice | None = None) -> tuple[list[DraftTree], str]:
         """This round's trees, one per row, and the choice's name (`round_controller.RoundChoice.name`): the tree of the
-        choice's size (without a choice, the settings' tree) with each row's lookup chains grafted (unless the choice
-        carries none), lookup chains
+        choice's size (without a choice, the settings' tree) with each row's lookup chains grafted (as the choice
+        says for that row: `RoundChoice.carries_chains`), lookup chains
         alone (whole chains, as prompt lookup proposes them; a row without a chain verifies its root alone), or the
         roots alone (a plain batched step). Rounds without a draft forward leave the queued positions for later."""
         settings = self.settings
@@ -106,8 +106,9 @@ class BatchDrafter:
             size = (settings.total_tokens, settings.depth, settings.top_k) if choice is None else (
                 choice.total_tokens, choice.depth, choice.top_k)
             ready = self._ready_chains
-            carries = settings.lookup_tokens > 0 and (choice is None or choice.chains)
-            chains = (ready if ready is not None else self.chains()) if carries else None
+            chains = (ready if ready is not None else self.chains()) if settings.lookup_tokens > 0 else None
+            if chains is not None and choice is not None:  # each row's own copy run decides (`carries_chains`)
+                chains = [row if choice.carries_chains(copied) else [] for row, copied in zip(chains, self.copied)]
             return self.trees(roots, *size, chains=chains), RoundChoice("tree", *size).name
         trees = [DraftTree.root_only(root) for root in roots.to(self.draft.fc.weight.device)]
         if kind == "lookup":

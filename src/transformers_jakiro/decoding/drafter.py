@@ -356,9 +356,9 @@ class JakiroCandidateGenerator:
         """The tree to verify this round, rooted at `input_ids[0, -1]` (the last accepted token; [1, length]).
 
         `choice` (the round controller's): a plain step (the root alone), lookup chains alone (whole chains, as prompt
-        lookup proposes them), or a draft tree of the choice's size with any lookup chains grafted (unless the choice
-        carries none); None: the configured tree. Rounds without a draft forward leave the accepted tokens' features in `pending_features`; the draft reads
-        them all in its next tree round."""
+        lookup proposes them), or a draft tree of the choice's size with any lookup chains grafted (as the choice
+        says: `RoundChoice.carries_chains`); None: the configured tree. Rounds without a draft forward leave the
+        accepted tokens' features in `pending_features`; the draft reads them all in its next tree round."""
         chains = self._chains if self._chains is not None else self._lookup_chains()
         self._chains = None
         self.catch_up_s = 0.0
@@ -371,7 +371,7 @@ class JakiroCandidateGenerator:
             chains = self.lookup.chains(self.settings.lookup_tokens, self.settings.lookup_chains) or chains
             self._proposed = max(len(chain) for chain in chains)
             return self._graft(DraftTree.root_only(root), chains)
-        if choice is not None and not choice.chains:
+        if choice is not None and not choice.carries_chains(self.copying):
             chains = []
         if chains:
             self._proposed = max(len(chain) for chain in chains)

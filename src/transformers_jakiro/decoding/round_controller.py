@@ -44,7 +44,12 @@ class RoundChoice:
     total_tokens: int = 0
     depth: int = 0
     top_k: int = 0
-    chains: bool = True  # a tree: the round's lookup chains (when lookup is on and one is ready) are grafted onto it
+    # A tree: whether the round's lookup chains (lookup on, a chain ready) are grafted onto it in every round, or only
+    # in a copy run (the last round continued the ready chain, `lookup.continues`: there a chain adds most).
+    chains: bool = True
+
+    def carries_chains(self, copying: bool) -> bool:
+        return self.kind == "tree" and (self.chains or copying)
 
     @property
     def name(self) -> str:
@@ -57,8 +62,9 @@ def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_s
     are first tried.
 
     The smaller tree is the cheapest draft round: half the levels, as many nodes as levels (the contrastive one
-    included), the best-ranked of up to 4 candidates per parent, and no lookup chains grafted. It is for targets
-    where every verified node costs compute: on a CPU, SmolLM2-135M fp32 on 1 thread, a 3-token forward costs 1.18x
+    included), the best-ranked of up to 4 candidates per parent, and lookup chains grafted only in copy runs (where
+    a 10-token chain verified alone adds 6.8 tokens on average, elsewhere 1.4: RC-2). It is for targets where every
+    verified node costs compute: on a CPU, SmolLM2-135M fp32 on 1 thread, a 3-token forward costs 1.18x
     a one-token step and a 4- to 6-token one about 1.6x, so a third of the configured tree (or a one-token chain
     grafted onto the smaller tree) lost to plain steps (docs/experiments/round-cost.md, RCOST-6)."""
     full = RoundChoice("tree", total_tokens, depth, top_k)
@@ -188,7 +194,7 @@ class RoundController:
             prior = self.token_priors.get(_yield_key(choice, copying), prior_tokens(choice, copying=copying))
             return self.lookup_yield[context].mean(prior, PRIOR_ROUNDS)
         tokens = 1.0 + self.shape(choice) * self.draftability(copying)
-        if self._lookup_on and lookup_ready and choice.chains:
+        if self._lookup_on and lookup_ready and choice.carries_chains(copying):
             prior = max(COPYING_PRIOR - prior_tokens(choice), 0.0) if copying else 0.0
             tokens += self.chain_tokens[context].mean(prior, PRIOR_ROUNDS)
         return tokens
@@ -260,7 +266,7 @@ class RoundController:
                 shape = self.shapes[choice.name]
                 shape.weight, shape.total = shape.weight * SHAPE_DISCOUNT, shape.total * SHAPE_DISCOUNT
                 shape.add(drafted / self.draftability(self._copying))
-            if self._lookup_on and self._lookup_ready and choice.chains:
+            if self._lookup_on and self._lookup_ready and choice.carries_chains(self._copying):
                 self.chain_tokens[context].add(float(chain_tokens))
         self.costs[choice.name].decay()
         self.costs[choice.name].add(float(seconds))
