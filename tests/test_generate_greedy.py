@@ -1,6 +1,8 @@
 """Greedy Jakiro decoding is token-identical to plain `target.generate`, whatever the tree, architecture or
 stopping rule. Drafts are quickly fitted to each tiny target so that trees are accepted several tokens deep."""
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, StoppingCriteriaList
@@ -247,3 +249,29 @@ def test_lazy_leaf_logits_match_the_full_logits_path(pairs, monkeypatch):
     assert lazy_tau == draft.last_generation_stats.mean_accepted_length
     for mine, theirs in zip(lazy.scores + lazy.logits, full.scores + full.logits):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("total_tokens, lazy", [(2, False), (8, True)])
+def test_trees_of_a_few_nodes_take_their_logits_from_the_forward(pairs, monkeypatch, total_tokens, lazy):
+    """On a CPU a tree of fewer than `LAZY_LEAVES_MIN_NODES` nodes (root, 2 draft nodes) keeps every node's logits in
+    the verify forward; a larger one keeps the internal nodes' only (`logits_to_keep` with node indices)."""
+    from transformers_jakiro import tree_settings
+    from transformers_jakiro.decoding.row_rounds import LAZY_LEAVES_MIN_NODES
+
+    assert 2 + 1 < LAZY_LEAVES_MIN_NODES <= 8 + 1
+    target, draft = pairs("qwen2")
+    prompt = torch.tensor([[7, 8, 9, 10, 11]])
+    kept = []
+    forward = target.forward
+
+    @functools.wraps(forward)  # its signature says the forward takes `logits_to_keep`
+    def spy(*args, **kwargs):
+        kept.append(torch.is_tensor(kwargs.get("logits_to_keep")))
+        return forward(*args, **kwargs)
+
+    expected = target.generate(prompt, do_sample=False, max_new_tokens=20)
+    monkeypatch.setattr(target, "forward", spy)
+    with tree_settings(draft, total_tokens=total_tokens, depth=1, top_k=4, adaptive=False):
+        got = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=draft)
+    assert torch.equal(got, expected)
+    assert any(kept) == lazy

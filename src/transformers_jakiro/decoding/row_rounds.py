@@ -32,6 +32,14 @@ from .tree import DraftTree
 from .verification import RoundTokens, VerifiedRound
 
 
+# The fewest verified nodes (the root included) for which the lazy leaf path pays. An output-layer product over a few
+# rows costs what one row's does on a CPU (the output matrix is read once either way: SmolLM2's 576 x 49152 layer,
+# fp32, one thread, 4.3 ms for 1 to 3 rows, 8.2 ms for 4), so for a 3-node tree the leaf's extra one-row product is
+# pure cost: pinned 2/1/4 rounds took 58.5 ms with full logits against 60.7-64.2 ms lazy; 5/1/4 (6 nodes) took
+# 85.5-88.4 ms lazy against 94.2-94.9 ms full (RCOST-6).
+LAZY_LEAVES_MIN_NODES = 4
+
+
 def lazy_leaf_head(target, last_hidden: torch.Tensor, last_logits: torch.Tensor):
     """The target's output layer, when leaf logits may be left to `verify_tree` to compute lazily; else None.
 
@@ -125,8 +133,9 @@ def verify_tree(
     if past is None:
         past = int(cache.get_seq_length())
     forward = target if forward is None else forward
-    # A plain step's one node is its own leaf: its logits come from the forward, with no separate leaf head call.
-    internal = tree.internal_nodes() if leaf_head is not None and tree.num_nodes > 1 else None
+    # A plain step's one node is its own leaf, and a tree of a few nodes takes all its logits from the forward too.
+    lazy = leaf_head is not None and tree.num_nodes >= LAZY_LEAVES_MIN_NODES
+    internal = tree.internal_nodes() if lazy else None
     if tree.num_nodes == 1 and not static:
         # A plain step (the round controller's, or a lookup round that found no chain): the mask plain generate
         # gives a one-token step, none or the 2D padding mask, so the target runs the same kernels as there.
@@ -342,4 +351,4 @@ class RowRounds:
         truncate(self.cache, sequences[0].shape[1] - 1)
 
 
-__all__ = ["RowRounds", "lazy_leaf_head", "prefill", "verify_tree"]
+__all__ = ["LAZY_LEAVES_MIN_NODES", "RowRounds", "lazy_leaf_head", "prefill", "verify_tree"]
