@@ -344,17 +344,28 @@ def test_the_round_controller_sees_copy_runs(monkeypatch, tmp_path):
         return choose(self, lookup_ready, copying, chain_was_whole)
 
     monkeypatch.setattr(round_controller.RoundController, "choose", spy)
+    for decode in copying_decodes(max_new_tokens=40):
+        seen.clear()
+        decode()
+        assert len(seen) > 3 and not seen[0] and all(seen[1:])  # nothing before the first round; copying after
+
+
+def copying_decodes(max_new_tokens: int):
+    """One row, then a batch of two, of prompts from which the cycle target copies: yields for each a function that
+    decodes it with a random draft (tree 4/2/2, lookup 10) and checks the output equals plain `generate`'s."""
     target = cycle_target(CYCLE)
     draft = JakiroDraftModel.from_target(target)
     prompts = torch.tensor([CYCLE + CYCLE[:5], CYCLE[3:] + CYCLE[:8]])  # the target copies the cycle from here on
     for batch in (prompts[:1], prompts):
-        seen.clear()
         inputs = dict(input_ids=batch, attention_mask=torch.ones_like(batch))
-        expected = target.generate(**inputs, do_sample=False, max_new_tokens=40)
-        with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
-            got = target.generate(**inputs, do_sample=False, max_new_tokens=40, assistant_model=draft)
-        assert torch.equal(got, expected)
-        assert len(seen) > 3 and not seen[0] and all(seen[1:])  # nothing before the first round; copying after
+        expected = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+
+        def decode():
+            with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
+                got = target.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, assistant_model=draft)
+            assert torch.equal(got, expected)
+
+        yield decode
 
 
 def test_carries_chains():
@@ -395,15 +406,8 @@ def test_a_tree_choice_carries_lookup_chains_as_it_says(monkeypatch, tmp_path, c
 
     monkeypatch.setattr(JakiroCandidateGenerator, "get_candidates", spy_one_row)
     monkeypatch.setattr(BatchDrafter, "propose", spy_batch)
-    target = cycle_target(CYCLE)
-    draft = JakiroDraftModel.from_target(target)
-    prompts = torch.tensor([CYCLE + CYCLE[:5], CYCLE[3:] + CYCLE[:8]])  # the target copies the cycle from here on
-    for batch in (prompts[:1], prompts):
+    for decode in copying_decodes(max_new_tokens=30):
         grafted.clear()
-        inputs = dict(input_ids=batch, attention_mask=torch.ones_like(batch))
-        expected = target.generate(**inputs, do_sample=False, max_new_tokens=30)
-        with tree_settings(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10):
-            got = target.generate(**inputs, do_sample=False, max_new_tokens=30, assistant_model=draft)
-        assert torch.equal(got, expected)
+        decode()
         assert any(g for c, g in grafted if c)  # copy runs carry their chain
         assert any(g for c, g in grafted if not c) == chains  # elsewhere only with chains
