@@ -368,15 +368,6 @@ def copying_decodes(max_new_tokens: int):
         yield decode
 
 
-def test_carries_chains():
-    from transformers_jakiro.decoding.round_controller import RoundChoice
-
-    assert RoundChoice("tree", 8, 2, 4).carries_chains(copying=False)
-    assert not RoundChoice("tree", 2, 1, 4, chains=False).carries_chains(copying=False)
-    assert RoundChoice("tree", 2, 1, 4, chains=False).carries_chains(copying=True)  # a copy run's chain goes along
-    assert not RoundChoice("plain").carries_chains(copying=True)
-
-
 @pytest.mark.parametrize("chains", [True, False])
 def test_a_tree_choice_carries_lookup_chains_as_it_says(monkeypatch, tmp_path, chains):
     """A tree choice with `chains=False` (`choices_for`'s smaller tree) carries a ready lookup chain only in a copy run

@@ -151,6 +151,13 @@ def test_an_unmeasured_tree_is_placed_relative_to_the_measured_one():
     assert guess.shape(SMALL) == pytest.approx(round_controller.prior_tokens(SMALL) - 1)
 
 
+def test_a_tree_carries_lookup_chains_as_its_choice_says():
+    assert RoundChoice("tree", 8, 2, 4).carries_chains(copying=False)
+    assert not SMALL.carries_chains(copying=False)
+    assert SMALL.carries_chains(copying=True)  # a copy run's chain goes along
+    assert not PLAIN.carries_chains(copying=True) and not LOOKUP.carries_chains(copying=False)
+
+
 def test_lookup_chain_tokens_count_for_the_trees_that_carry_chains_when_a_chain_is_ready():
     carrying = RoundChoice("tree", 8, 2, 4)  # a smaller tree that carries chains, unlike `choices_for`'s SMALL
     controller = RoundController([FULL, carrying, SMALL, LOOKUP, PLAIN],
@@ -162,7 +169,7 @@ def test_lookup_chain_tokens_count_for_the_trees_that_carry_chains_when_a_chain_
         controller.record(FULL, 5.0, 1.0, chain_tokens=3.0)  # 3 of the 4 accepted tokens came from the chain
     assert controller.expected_tokens(carrying, lookup_ready=True) > without + 2.0
     assert controller.expected_tokens(carrying, lookup_ready=False) < without + 0.5  # no chain, no chain tokens
-    assert controller.expected_tokens(SMALL, lookup_ready=True) < small + 0.5  # it never carries the chain
+    assert controller.expected_tokens(SMALL, lookup_ready=True) < small + 0.5  # no chain outside copy runs
     controller.choose(True)
     controller.record(SMALL, 2.0, 1.0, chain_tokens=0.0)  # its rounds do not tell what chains add
     assert controller.chain_tokens[""].mean() == pytest.approx(3.0)
