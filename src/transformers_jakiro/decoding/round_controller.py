@@ -7,9 +7,10 @@ smaller one, lookup chains grafted when lookup is on). `RoundController` picks t
 
 expected tokens of a tree = 1 + shape x draftability (+ the tokens grafted chains add), of lookup and of a plain step
 their discounted past yields; seconds = each choice's discounted round times, with times cached per machine
-(`$JAKIRO_CACHE/round_costs.json`) as a prior. Untried and stale choices are tried first; yields are kept apart after
-a copying round (`lookup.continues`). `PinnedController` (`adaptive=False`) verifies the configured tree every round,
-and lookup chains alone after a round that accepted its whole chain, as prompt lookup decoding does.
+(`$JAKIRO_CACHE/round_costs.json`) as a prior. Untried choices are tried first, stale ones re-measured over a few
+rounds in a row; yields are kept apart after a copying round (`lookup.continues`). `PinnedController`
+(`adaptive=False`) verifies the configured tree every round, and lookup chains alone after a round that accepted its
+whole chain, as prompt lookup decoding does.
 
 Exactness never depends on the choice: every round is verified by the same rule, and a choice reads past rounds only,
 never the round's own random draws. Host bookkeeping only: no tensor, no device sync. Why the rule has this shape and
@@ -30,6 +31,10 @@ PRIOR_ROUNDS = 0.5  # the prior's weight, in rounds: enough to rank untried choi
 PRIOR_ACCEPTANCE = 0.55  # a tree's guessed acceptance per depth before anything was measured
 EXPLORATION = 0.3  # the exploration bonus, in tokens, of a choice not seen lately (a quarter after one round)
 STALE_ROUNDS = 60  # a choice not tried for this many rounds is tried again (its cost or yield may have changed)
+# A re-measurement's rounds, in a row: one round's time varies by up to +-20% (SmolLM2 on a CPU: 62-87 ms for one
+# tree) and its yield by whole tokens, so that one round decided waits of up to MAX_STALE_ROUNDS (RCOST-7).
+REMEASURE_ROUNDS = 3
+HOPELESS = 0.5  # ... unless its first round left it below this share of the best's tokens per second (plain on a GPU)
 MAX_STALE_ROUNDS = 960  # the longest wait between re-measurements of a choice that keeps losing
 COPYING_PRIOR = 2.5  # tokens a lookup-carrying round is guessed to add right after a copying round
 SHAPE_DISCOUNT = 0.98  # a tree shape's weight per own round: the last ~50 rounds of that tree
@@ -157,7 +162,8 @@ class RoundController:
         # The round in which each choice was last recorded; earlier calls' rounds count as negative ones, so that a
         # choice is re-measured after STALE_ROUNDS rounds even when every call is shorter than that.
         self.last_tried = {name: -since for name, since in self.since_tried.items()}
-        self._remeasure = None  # a stale choice being re-measured
+        self._remeasure = None  # the name of a stale choice being re-measured
+        self._remeasured = 0  # its rounds so far
         self._copying = False  # whether the round being chosen follows a copying round
         self._lookup_ready = False  # whether lookup chains were ready for the round being chosen
         self._lookup_on = any(c.kind == "lookup" for c in self.choices)
@@ -212,9 +218,14 @@ class RoundController:
         for choice in available:  # first, measure what each choice costs
             if self.expected_cost(choice) is None:
                 return choice
-        for choice in available:  # then re-measure what was not tried for long: the new time replaces the old
+        if self._remeasure is not None:  # a re-measurement goes on for REMEASURE_ROUNDS rounds while it can
+            going_on = [c for c in available if c.name == self._remeasure]
+            if going_on:
+                return going_on[0]
+            self._remeasure, self._remeasured = None, 0  # lookup alone without a chain: what it measured stands
+        for choice in available:  # then re-measure what was not tried for long: the new times replace the old
             if self.rounds - self.last_tried.get(choice.name, 0) >= self.stale_after.get(choice.name, STALE_ROUNDS):
-                self._remeasure = choice.name
+                self._remeasure, self._remeasured = choice.name, 0
                 return choice
 
         return max(available, key=lambda choice: self._value(choice, copying, EXPLORATION))  # ties: the larger tree
@@ -243,9 +254,11 @@ class RoundController:
         self._deferred_by = choice.name if choice.kind != "tree" else None
         self.rounds += 1
         self.last_tried[choice.name] = self.rounds
-        remeasured = self._remeasure == choice.name
-        if remeasured:
-            self.costs[choice.name], self._remeasure = RunningMean(), None
+        remeasuring = self._remeasure == choice.name
+        if remeasuring:
+            if self._remeasured == 0:
+                self.costs[choice.name] = RunningMean()
+            self._remeasured += 1
         context = COPYING if self._copying else ""
         shared = [self.chain_tokens[c] for c in self.chain_tokens] + [m for pair in self.drafted.values() for m in pair]
         for mean in [*self.lookup_yield.values(), *shared, *self.tree_rounds.values()]:
@@ -270,11 +283,15 @@ class RoundController:
                 self.chain_tokens[context].add(float(chain_tokens))
         self.costs[choice.name].decay()
         self.costs[choice.name].add(float(seconds))
-        if remeasured:  # still behind the best: wait twice as long before measuring it again; ahead: the usual wait
+        if remeasuring:
             ranked = [c for c in self.choices if self.expected_cost(c) is not None]
             best = max(ranked, key=lambda c: self._value(c, self._copying, 0.0))
-            wait = self.stale_after.get(choice.name, STALE_ROUNDS)
-            self.stale_after[choice.name] = STALE_ROUNDS if best == choice else min(2 * wait, MAX_STALE_ROUNDS)
+            hopeless = self._value(choice, self._copying, 0.0) < HOPELESS * self._value(best, self._copying, 0.0)
+            if self._remeasured >= REMEASURE_ROUNDS or hopeless:
+                # Still behind the best: wait twice as long before measuring it again; ahead: the usual wait.
+                self._remeasure, self._remeasured = None, 0
+                wait = self.stale_after.get(choice.name, STALE_ROUNDS)
+                self.stale_after[choice.name] = STALE_ROUNDS if best == choice else min(2 * wait, MAX_STALE_ROUNDS)
 
     def learned_tokens(self) -> dict:
         """What the draft remembers for the next call: each tree's tokens per round at draftability 1 (lookup chains
