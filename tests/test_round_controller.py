@@ -237,6 +237,36 @@ def test_the_configured_tree_shape_is_learned_between_calls():
     assert prior == pytest.approx(4.0, abs=0.3)
 
 
+def test_what_chains_add_in_copy_runs_is_remembered_between_calls():
+    """A CPU where a tree round costs 3 plain steps: in a copy run the chain-carrying small tree adds 9 tokens, and a
+    call that measured that starts the next call's copy runs with it. Without the memory every call's first copy run
+    had to beat a plain step on the guess (COPYING_PRIOR) alone, and lost (RCOST-7)."""
+    costs = {FULL.name: 3.2, SMALL.name: 3.0, LOOKUP.name: 3.2, PLAIN.name: 1.0}
+    memory = {}
+
+    def call(rounds):
+        controller = RoundController([FULL, SMALL, LOOKUP, PLAIN], cost_priors=costs, token_priors=dict(memory),
+                                     key="test")
+        first = controller.choose(True, copying=True)
+        for _ in range(rounds):
+            controller.record(SMALL, 9.0, 3.0, chain_tokens=7.5)  # (the rounds this call ran in its copy runs)
+            controller.choose(True, copying=True)
+        memory.update(controller.learned_tokens())
+        return first
+
+    assert call(5) == PLAIN  # the guess: about 2.5 tokens for 3 steps' time
+    assert memory[round_controller.CHAINS + round_controller.COPYING] > 3.5  # most of the way from the guess
+    assert call(1).carries_chains(copying=True)  # remembered: the copy run is taken from its first round
+
+
+def test_a_lookup_round_that_accepted_nothing_moves_the_memory_only_partway():
+    controller = RoundController([FULL, LOOKUP, PLAIN], token_priors={"lookup after copying": 6.0})
+    controller.choose(True, copying=True)
+    controller.record(LOOKUP, 1.0, 1.0)
+    learned = controller.learned_tokens()["lookup after copying"]
+    assert 4.5 < learned < 6.0  # one round of 1 token against the remembered 6, which weighs SHAPE_PRIOR_ROUNDS
+
+
 def test_batch_lookup_chains_share_the_budget_as_the_tree_does():
     assert [round_controller.batch_lookup_tokens(10, b) for b in (1, 2, 3, 4, 8, 32)] == [10, 5, 3, 2, 1, 1]
     assert round_controller.batch_lookup_tokens(0, 8) == 0  # lookup off stays off

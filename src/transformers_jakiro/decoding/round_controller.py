@@ -41,6 +41,7 @@ SHAPE_DISCOUNT = 0.98  # a tree shape's weight per own round: the last ~50 round
 DRAFTABILITY_PRIOR_ROUNDS = 1.0  # the draftability prior (1) weighs one round of the largest tree
 SHAPE_PRIOR_ROUNDS = 4.0  # the weight, in rounds of that tree, of a tree shape's prior
 COPYING = " after copying"  # the suffix of a choice's name for its yield in rounds that follow a copying round
+CHAINS = "lookup chains on a tree"  # the name tokens that only grafted chains added are remembered under (+ COPYING)
 
 
 @dataclass(frozen=True)
@@ -201,9 +202,14 @@ class RoundController:
             return self.lookup_yield[context].mean(prior, PRIOR_ROUNDS)
         tokens = 1.0 + self.shape(choice) * self.draftability(copying)
         if self._lookup_on and lookup_ready and choice.carries_chains(copying):
-            prior = max(COPYING_PRIOR - prior_tokens(choice), 0.0) if copying else 0.0
-            tokens += self.chain_tokens[context].mean(prior, PRIOR_ROUNDS)
+            # Before this call measured any: what chains added in earlier calls, else a guess (in a copy run a chain
+            # adds most: without the memory, each call's first copy run had to beat plain steps on the guess alone).
+            tokens += self.chain_tokens[context].mean(self._chain_prior(choice, copying), PRIOR_ROUNDS)
         return tokens
+
+    def _chain_prior(self, choice: RoundChoice, copying: bool) -> float:
+        guess = max(COPYING_PRIOR - prior_tokens(choice), 0.0) if copying else 0.0
+        return self.token_priors.get(CHAINS + (COPYING if copying else ""), guess)
 
     def expected_cost(self, choice: RoundChoice) -> float | None:
         prior = self.cost_priors.get(choice.name)
@@ -295,7 +301,7 @@ class RoundController:
 
     def learned_tokens(self) -> dict:
         """What the draft remembers for the next call: each tree's tokens per round at draftability 1 (lookup chains
-        left out), lookup alone's tokens per round in each context."""
+        left out), lookup alone's tokens per round and the tokens chains added to trees, in each context."""
         learned = {c.name: 1.0 + self.shape(c) for c in self.choices if c.kind == "tree"}
         observed, expected = self._reference_drafted
         if expected > 0:  # the reference tree's shape moves towards what its rounds of this call added
@@ -305,9 +311,16 @@ class RoundController:
             learned[self.reference.name] = 1.0 + blended
         lookup = RoundChoice("lookup")
         for copying in (False, True):
-            mean = self.lookup_yield[COPYING if copying else ""]
+            context = COPYING if copying else ""
+            # Each yield moves towards this call's as the reference's shape does: a call's one unlucky round (a copy
+            # run's lookup round that accepted nothing) must not become every later call's prior.
+            mean, key = self.lookup_yield[context], _yield_key(lookup, copying)
             if mean.weight:
-                learned[_yield_key(lookup, copying)] = mean.mean()
+                prior = self.token_priors.get(key, prior_tokens(lookup, copying=copying))
+                learned[key] = mean.mean(prior, SHAPE_PRIOR_ROUNDS)
+            chains = self.chain_tokens[context]
+            if chains.weight and self.reference is not None:
+                learned[CHAINS + context] = chains.mean(self._chain_prior(self.reference, copying), SHAPE_PRIOR_ROUNDS)
         return learned
 
     def learned_costs(self) -> dict:
