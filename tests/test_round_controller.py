@@ -251,6 +251,9 @@ def test_what_chains_add_in_copy_runs_is_remembered_between_calls():
         for _ in range(rounds):
             controller.record(SMALL, 9.0, 3.0, chain_tokens=7.5)  # (the rounds this call ran in its copy runs)
             controller.choose(True, copying=True)
+        for _ in range(60):  # ... and plain steps after them: the copy run still counts when the call ends
+            controller.choose(False)
+            controller.record(PLAIN, 1.0, 1.0)
         memory.update(controller.learned_tokens())
         return first
 

@@ -171,6 +171,7 @@ class RoundController:
         self._deferred_by = None  # the last round's choice, when it left the draft positions to read later
         self.reference = trees[0] if trees else None  # the configured tree (`choices_for` lists it first)
         self._reference_drafted = [0.0, 0.0]  # its draft tokens in this call, observed and expected
+        self._observed = {}  # rounds of this call behind each remembered yield (lookup alone, chains), by its name
 
     def draftability(self, copying: bool = False) -> float:
         """The text's draftability now: draft tokens the configured tree's recent rounds added, over what its shape
@@ -271,6 +272,7 @@ class RoundController:
             mean.decay()
         if choice.kind == "lookup":
             self.lookup_yield[context].add(float(tokens))
+            self._observe(_yield_key(choice, self._copying))
         elif choice.kind == "tree":
             drafted = max(float(tokens) - 1.0 - float(chain_tokens), 0.0)
             self.tree_rounds[choice.name].add(1.0)
@@ -287,6 +289,7 @@ class RoundController:
                 shape.add(drafted / self.draftability(self._copying))
             if self._lookup_on and self._lookup_ready and choice.carries_chains(self._copying):
                 self.chain_tokens[context].add(float(chain_tokens))
+                self._observe(CHAINS + context)
         self.costs[choice.name].decay()
         self.costs[choice.name].add(float(seconds))
         if remeasuring:
@@ -314,14 +317,24 @@ class RoundController:
             context = COPYING if copying else ""
             # Each yield moves towards this call's as the reference's shape does: a call's one unlucky round (a copy
             # run's lookup round that accepted nothing) must not become every later call's prior.
-            mean, key = self.lookup_yield[context], _yield_key(lookup, copying)
-            if mean.weight:
+            key = _yield_key(lookup, copying)
+            if key in self._observed:
                 prior = self.token_priors.get(key, prior_tokens(lookup, copying=copying))
-                learned[key] = mean.mean(prior, SHAPE_PRIOR_ROUNDS)
-            chains = self.chain_tokens[context]
-            if chains.weight and self.reference is not None:
-                learned[CHAINS + context] = chains.mean(self._chain_prior(self.reference, copying), SHAPE_PRIOR_ROUNDS)
+                learned[key] = self._remembered(key, self.lookup_yield[context], prior)
+            if CHAINS + context in self._observed and self.reference is not None:
+                prior = self._chain_prior(self.reference, copying)
+                learned[CHAINS + context] = self._remembered(CHAINS + context, self.chain_tokens[context], prior)
         return learned
+
+    def _observe(self, key: str) -> None:
+        self._observed[key] = self._observed.get(key, 0) + 1
+
+    def _remembered(self, key: str, mean: RunningMean, prior: float) -> float:
+        """A yield for the next call: this call's (recent rounds weigh most) against the prior, each by its rounds
+        (the prior's: SHAPE_PRIOR_ROUNDS; this call's are counted, not discounted, so that a copy run early in a long
+        call still counts)."""
+        rounds = self._observed[key]
+        return (mean.mean() * rounds + prior * SHAPE_PRIOR_ROUNDS) / (rounds + SHAPE_PRIOR_ROUNDS)
 
     def learned_costs(self) -> dict:
         costs = {choice.name: self.expected_cost(choice) for choice in self.choices}
