@@ -256,6 +256,38 @@ def test_greedy_requests_among_sampled_ones_match_generate_alone(lazy_leaves, pa
 
 
 @needs_allocators
+def test_only_a_lone_tree_takes_its_leaves_logits_lazily(pairs, monkeypatch):
+    """On a CPU, a forward that holds one request's tree (of LAZY_LEAVES_MIN_NODES nodes or more) computes logits at
+    its internal nodes and at the leaf where its path ends; a forward with several trees computes every node's in one
+    product (each request whose path ends at a leaf would otherwise pay a one-row product of the whole output layer).
+    Exact both ways: requests of a lone prompt, then of three."""
+    from transformers_jakiro.continuous import JakiroBatchProcessor, jakiro_cb_config, jakiro_generate_batch
+    from transformers_jakiro.decoding.row_rounds import LAZY_LEAVES_MIN_NODES
+
+    seen = []  # per forward with trees: (trees in it, their smallest node count, the lazy request or None)
+    original = JakiroBatchProcessor._lazy_tree
+
+    def spy(self, requests):
+        lazy = original(self, requests)
+        trees = [self.trees[request][0].num_nodes for request in requests if request in self.trees]
+        if trees:
+            seen.append((len(trees), min(trees), lazy))
+        return lazy
+
+    monkeypatch.setattr(JakiroBatchProcessor, "_lazy_tree", spy)
+    target, draft = pairs("llama")
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
+    cb = jakiro_cb_config(page_size=4, num_blocks=256, max_batch_tokens=64)
+    settings = TreeSettings.resolve(draft, adaptive=False)
+    for prompts in (prompts_of(32, 1), prompts_of(33, 3)):
+        results = jakiro_generate_batch(target, draft, prompts, greedy, cb, settings)
+        assert [r.generated_tokens for r in results.values()] == [alone(target, p, greedy) for p in prompts]
+    assert any(count == 1 and lazy is not None for count, _, lazy in seen)  # a lone tree went lazy
+    assert all(lazy is None for count, nodes, lazy in seen if count > 1 or nodes < LAZY_LEAVES_MIN_NODES)
+    assert any(count > 1 for count, _, _ in seen)
+
+
+@needs_allocators
 def test_round_costs_are_kept_for_the_next_server(pairs, tmp_path, monkeypatch):
     """The controllers' measured round costs per count of decoding requests go to the per-machine cache when the
     batch goes idle; the next manager's controllers start from them instead of trying every choice first."""

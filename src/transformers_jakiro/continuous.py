@@ -45,6 +45,7 @@ from .decoding import verification
 from .decoding.batch_drafter import BatchDrafter
 from .decoding.drafter import TreeSettings
 from .decoding.logits import PREFIX_FREE_PROCESSORS
+from .decoding.row_rounds import LAZY_LEAVES_MIN_NODES
 from .decoding.round_controller import (
     PinnedController,
     RoundChoice,
@@ -155,7 +156,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.head = target.get_output_embeddings()
         self.head_checked = False
         # On a CPU a row of the output layer costs as much as several of a small target's layers: logits at a tree's
-        # internal nodes only, and at the one leaf where an accepted path ends (as `row_rounds.lazy_leaf_head`).
+        # internal nodes only, and at the one leaf where an accepted path ends (as `row_rounds.lazy_leaf_head`), when
+        # the forward holds one tree (`_lazy_tree`).
         self.lazy_leaves = target.get_input_embeddings().weight.device.type == "cpu"
         self._internal = {}  # this step's trees' internal nodes per request (lazy leaves)
         self.drafter = BatchDrafter(draft, settings, 0)
@@ -219,17 +221,18 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
 
     def _trees_logits(self) -> None:
         """The logits at every tree node of this forward, in one product of the output layer over their rows
-        (`_node_logits` hands out each request's). On a CPU only at nodes with children (`lazy_leaves`)."""
+        (`_node_logits` hands out each request's); of a lone tree on a CPU, at its internal nodes (`_lazy_tree`)."""
         self._tree_rows, self._internal = {}, {}
         if self.head is None:
             return
         batch, starts = self.inputs_and_outputs.requests_in_batch, self._starts
+        lazy = self._lazy_tree([future.state.request_id for future in batch])
         rows, at = [], 0
         for i, future in enumerate(batch):
             request = future.state.request_id
             if request in self.trees:
                 nodes = torch.arange(starts[i + 1] - starts[i])
-                if self.lazy_leaves:
+                if request == lazy:
                     nodes = self._internal[request] = self.trees[request][0].internal_nodes().cpu()
                 rows.append(starts[i] + nodes)
                 self._tree_rows[starts[i]] = at
@@ -237,6 +240,17 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         if rows:
             hidden = self._features[torch.cat(rows).to(self._features.device), -self.head.weight.shape[1] :]
             self._tree_logits = self.head(hidden).float()
+
+    def _lazy_tree(self, requests: list[str]) -> str | None:
+        """The request whose leaves get their logits lazily in this forward, if any: on a CPU, the one request that
+        brings a tree, of LAZY_LEAVES_MIN_NODES nodes or more. With several trees each request whose path ends at a
+        leaf would pay a one-row product of the whole output layer of its own, while a product over the leaves' rows
+        too is one pass that costs about what a few rows' does (SmolLM2 fp32 on a Xeon: 1 to 3 rows the same, 7 to 16
+        rows 3x one row, RCOST-6); and a tree of a few nodes gains nothing from it either."""
+        trees = [request for request in requests if request in self.trees]
+        if not self.lazy_leaves or len(trees) != 1 or self.trees[trees[0]][0].num_nodes < LAZY_LEAVES_MIN_NODES:
+            return None
+        return trees[0]
 
     def _node_logits(self, request: str, rows: slice) -> torch.Tensor:
         """[nodes, vocab] float32 logits at the query rows `rows` (one request's tree); with `lazy_leaves`, at its
