@@ -14,23 +14,18 @@ Prints a markdown table: rows, forward ms, forward / one row, output layer ms, o
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 from transformers import DynamicCache
 
+from transformers_jakiro.bench.tune import _median_time
 from transformers_jakiro.decoding.kv_cache import truncate
+from transformers_jakiro.decoding.target_inputs import cache_kwarg
 
 
-def _median_ms(function, repeats: int) -> float:
+def _median_ms(function, repeats: int, device) -> float:
     function()  # warm-up: kernels picked and buffers allocated for this shape
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return 1000 * _median_time(function, repeats, device)  # `jakiro bench --tune`'s timer (device synced)
 
 
 @torch.no_grad()
@@ -42,7 +37,8 @@ def measure(target, rows: list[int], prefix: int = 200, repeats: int = 5) -> lis
     device = target.get_input_embeddings().weight.device
     prompt = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
     cache = DynamicCache()
-    target(prompt, past_key_values=cache, use_cache=True)
+    cached = {cache_kwarg(target): cache}  # `cache` or `past_key_values`, as this transformers' forward names it
+    target(prompt, use_cache=True, **cached)
     head = target.get_output_embeddings()
     table = []
     for n in rows:
@@ -50,11 +46,11 @@ def measure(target, rows: list[int], prefix: int = 200, repeats: int = 5) -> lis
         hidden = torch.randn(n, head.weight.shape[1], generator=generator, dtype=head.weight.dtype).to(device)
 
         def forward():
-            target(tokens, past_key_values=cache, use_cache=True)
+            target(tokens, use_cache=True, **cached)
             truncate(cache, prefix)
 
-        table.append({"rows": n, "forward_ms": _median_ms(forward, repeats),
-                      "output_layer_ms": _median_ms(lambda: head(hidden), repeats)})
+        table.append({"rows": n, "forward_ms": _median_ms(forward, repeats, device),
+                      "output_layer_ms": _median_ms(lambda: head(hidden), repeats, device)})
     one = table[0] if table and table[0]["rows"] == 1 else None
     for entry in table:
         entry["forward_x"] = entry["forward_ms"] / one["forward_ms"] if one else None
