@@ -112,9 +112,9 @@ def test_refusals_name_the_problem(pairs):
     greedy = dict(max_new_tokens=8, eos_token_id=-1, pad_token_id=0)
     with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
         JakiroContinuousBatchingManager(target, draft, GenerationConfig(repetition_penalty=1.3, **greedy))
-    with pytest.raises(ValueError, match="allow_block_sharing=False"):
+    with pytest.raises(ValueError, match="use_async_batching=False"):
         JakiroContinuousBatchingManager(target, draft, GenerationConfig(**greedy),
-                                        jakiro_cb_config(allow_block_sharing=True))
+                                        jakiro_cb_config(use_async_batching=True))
     target.config._attn_implementation = "flash_attention_2"
     try:
         with pytest.raises(ValueError, match="dense attention mask"):
@@ -285,6 +285,80 @@ def test_only_a_lone_tree_takes_its_leaves_logits_lazily(pairs, monkeypatch):
     assert any(count == 1 and lazy is not None for count, _, lazy in seen)  # a lone tree went lazy
     assert all(lazy is None for count, nodes, lazy in seen if count > 1 or nodes < LAZY_LEAVES_MIN_NODES)
     assert any(count > 1 for count, _, _ in seen)
+
+
+def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bool = False):
+    """`prompts[0]` alone, then the others together, through one manager (4-token pages): each request's generated
+    tokens and stats, the features its draft row got for its prompt, and the prompt tokens whose prefill
+    transformers skipped (prefix sharing)."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    from transformers_jakiro.continuous import JakiroBatchProcessor, JakiroContinuousBatchingManager, jakiro_cb_config
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=-1, pad_token_id=0)
+    features, skipped = {}, []
+    observe, search = JakiroBatchProcessor._observe, PagedAttentionCache.search_prefix_match
+
+    def spy_observe(self, request, rows, next_tokens, tokens, lookup=None):
+        if request in self.rows:  # the first call for a draft row: its prompt's features
+            features.setdefault(request, rows.clone())
+        return observe(self, request, rows, next_tokens, tokens, lookup)
+
+    def spy_search(self, request_id, prompt_ids):
+        skipped.append(search(self, request_id, prompt_ids))
+        return skipped[-1]
+
+    manager = JakiroContinuousBatchingManager(target, draft, config, jakiro_cb_config(
+        page_size=4, num_blocks=128, max_batch_tokens=64, allow_block_sharing=sharing),
+        TreeSettings.resolve(draft, adaptive=False))
+    results, order = {}, []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(JakiroBatchProcessor, "_observe", spy_observe)
+        patch.setattr(PagedAttentionCache, "search_prefix_match", spy_search)
+        manager.start()
+        try:
+            for wave in (prompts[:1], prompts[1:]):
+                ids = [manager.add_request(prompt, max_new_tokens=20) for prompt in wave]
+                order += ids
+                while not set(ids) <= set(results):
+                    result = manager.get_result(timeout=30)
+                    assert result is not None and result.error is None
+                    results[result.request_id] = result
+                if forget_features:
+                    manager.batch_processor.page_features.clear()
+            stats = manager.batch_processor.finished_stats
+        finally:
+            manager.stop(block=True)
+    return ([results[r].generated_tokens for r in order], [stats[r] for r in order], [features.get(r) for r in order],
+            skipped)
+
+
+@needs_allocators
+def test_prompts_sharing_pages_skip_their_prefill_and_still_draft(pairs):
+    """Prefix sharing: prompts that start like an earlier one (three 4-token pages in common) reuse its pages; their
+    draft rows get the kept features of the shared positions, equal to those their own prefill computes without
+    sharing, and they decode identical to `generate` alone. When the kept features are gone, a request decodes
+    without the draft, still identical."""
+    target, draft = pairs("llama")
+    g = torch.Generator().manual_seed(8)
+    prefix = torch.randint(3, VOCAB, (13,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 6, 9)]
+    config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=-1, pad_token_id=0)
+    expected = [alone(target, prompt, config) for prompt in prompts]
+
+    tokens, stats, features, skipped = shared_prefix_run(target, draft, prompts, sharing=True)
+    assert tokens == expected
+    assert sorted(skipped)[-2:] == [12, 12]  # both later prompts skipped the three shared pages
+    assert all(any(name.startswith("tree") for name in s.choices) for s in stats)
+    tokens_off, _, features_off, skipped_off = shared_prefix_run(target, draft, prompts, sharing=False)
+    assert tokens_off == expected and not any(skipped_off)
+    for shared, own, prompt in zip(features, features_off, prompts):
+        assert shared.shape[0] == len(prompt)
+        torch.testing.assert_close(shared, own, rtol=1e-4, atol=1e-5)
+
+    tokens, stats, features, _ = shared_prefix_run(target, draft, prompts, sharing=True, forget_features=True)
+    assert tokens == expected
+    assert features[1:] == [None, None] and all(set(s.choices[1:]) == {"plain"} for s in stats[1:])
 
 
 @needs_allocators

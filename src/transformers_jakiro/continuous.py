@@ -63,7 +63,8 @@ logger = logging.getLogger(__name__)
 
 # What the rounds need of transformers' continuous batching (5.25's layout): checked by `check_supported`.
 _CACHE_ATTRIBUTES = ("cache_allocators",)
-_ALLOCATOR_ATTRIBUTES = ("get_write_indices", "_kv_token_views", "block_table", "pool", "ledger", "tokens_per_page")
+_ALLOCATOR_ATTRIBUTES = ("get_write_indices", "_kv_token_views", "block_table", "pool", "ledger", "tokens_per_page",
+                         "mark_complete_blocks")
 _IO_ATTRIBUTES = ("position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k", "attention_mask", "requests_in_batch")
 
 
@@ -71,9 +72,8 @@ def check_supported(target, generation_config: GenerationConfig, cb_config: Cont
     """Refuses, by name and before any work, what the rounds cannot do yet: a transformers version whose continuous
     batching lays its paged cache out otherwise (before 5.25: no page allocators), logits processors whose result
     depends on the prefix (repetition penalty, minimum length, ...: continuous batching hands them one token),
-    attention without a dense mask (flash kernels are causal only), sliding-window layers, prefix sharing (rejected
-    nodes would be hashed as cached pages), async batching and CUDA graphs (they replay the inputs of a one-token
-    step)."""
+    attention without a dense mask (flash kernels are causal only), sliding-window layers, async batching and CUDA
+    graphs (they replay the inputs of a one-token step)."""
     if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
         import transformers
 
@@ -103,7 +103,6 @@ def check_supported(target, generation_config: GenerationConfig, cb_config: Cont
             f"Jakiro continuous batching supports full-attention layers only; this target has {sorted(layer_types)}."
         )
     wrong = {
-        "allow_block_sharing": cb_config.allow_block_sharing,
         "use_async_batching": cb_config.use_async_batching,
         "use_cuda_graph": cb_config.use_cuda_graph,
     }
@@ -111,8 +110,7 @@ def check_supported(target, generation_config: GenerationConfig, cb_config: Cont
     if wrong:
         raise ValueError(
             f"Jakiro continuous batching needs {', '.join(f'{name}=False' for name in wrong)} in the "
-            "ContinuousBatchingConfig (prefix sharing would cache pages holding rejected nodes; async batching and CUDA "
-            "graphs replay a one-token step's inputs)."
+            "ContinuousBatchingConfig (async batching and CUDA graphs replay a one-token step's inputs)."
         )
     if getattr(cb_config, "scheduler_type", "fifo") != "fifo":
         raise ValueError("Jakiro continuous batching needs scheduler_type='fifo' (decoding requests scheduled first).")
@@ -122,8 +120,7 @@ def check_supported(target, generation_config: GenerationConfig, cb_config: Cont
 COPY_RUN_AFTER = 3
 
 # What the rounds need set in a ContinuousBatchingConfig (see `check_supported`; flash kernels take no tree mask)
-REQUIRED_SETTINGS = dict(allow_block_sharing=False, use_async_batching=False, use_cuda_graph=False,
-                         auto_switch_to_flash=False)
+REQUIRED_SETTINGS = dict(use_async_batching=False, use_cuda_graph=False, auto_switch_to_flash=False)
 
 
 def jakiro_cb_config(**overrides) -> ContinuousBatchingConfig:
@@ -164,6 +161,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.rows: list[str] = []  # the drafter's rows: the requests that decode
         self.trees = {}  # request id -> (the tree it brings to the next forward, the round's name)
         self.prefill_features: dict[str, list[torch.Tensor]] = {}  # chunks of a prompt whose prefill is split
+        self.page_features: dict[int, torch.Tensor] = {}  # a shared prompt page's hash -> its positions' features
         self.request_stats: dict[str, JakiroGenerationStats] = {}  # per request: its rounds, as `generate`'s stats
         self.finished_stats: dict[str, JakiroGenerationStats] = {}
         self._logits = self._features = None
@@ -297,12 +295,14 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             tree, name = self.trees.pop(request, (None, None))
             if state.generated_len() == 0:  # the prefill ended: the first token, and the request's draft row
                 state.status = RequestStatus.DECODING
-                features = torch.cat([*self.prefill_features.pop(request, []), self._features[rows]])
+                features = self._prompt_features(state, [*self.prefill_features.pop(request, []), self._features[rows]])
                 tokens, name = [token], "prefill"
-                self.drafter.add_rows(1)
-                self.rows.append(request)
-                context = list(state.initial_tokens) + tokens
-                self._observe(request, features, context[1:], context)
+                self._share_prompt_pages(state, features)
+                if features is not None:
+                    self.drafter.add_rows(1)
+                    self.rows.append(request)
+                    context = list(state.initial_tokens) + tokens
+                    self._observe(request, features, context[1:], context)
                 self.request_stats.setdefault(request, JakiroGenerationStats())
             elif tree is None:  # a plain step
                 tokens, name = [token], "plain"
@@ -336,6 +336,40 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._keep_rows(self._alive())  # finished requests' rows leave
         self._draft_trees(decoding)
 
+    def _prompt_features(self, state, chunks: list[torch.Tensor]) -> torch.Tensor | None:
+        """The target's features at every prompt position, for the request's draft row: its prefill's, after those
+        kept for the pages it shares with an earlier prompt (transformers skipped their prefill). None when a shared
+        page's features are gone (the request then takes plain steps: exact, without a draft)."""
+        features = torch.cat(chunks)
+        shared = len(state.initial_tokens) - features.shape[0]
+        if shared == 0:
+            return features
+        allocator = next(iter(self.cache.cache_allocators.values()))
+        pages = allocator.block_table[state.request_id][: shared // allocator.tokens_per_page]
+        kept = [self.page_features.get(allocator.ledger.block_to_hash.get(page)) for page in pages]
+        if shared % allocator.tokens_per_page or any(page is None for page in kept):
+            logger.warning("jakiro request %s: the features of its %d shared prompt tokens are gone; it decodes "
+                           "without the draft", state.request_id, shared)
+            return None
+        return torch.cat([*kept, features])
+
+    def _share_prompt_pages(self, state, features: torch.Tensor | None) -> None:
+        """When a prefill ends: the prompt's complete pages hashed for prefix sharing (transformers' own
+        `mark_complete_blocks`, given the prompt's tokens only, so no page a round writes is ever hashed) and each new
+        page's features kept by its hash. Features of pages no longer in the ledger go once they outnumber it."""
+        if not self.cache.use_prefix_sharing or state.status == RequestStatus.FINISHED:
+            return
+        prompt = list(state.initial_tokens)
+        for allocator in self.cache.cache_allocators.values():
+            size, ledger = allocator.tokens_per_page, allocator.ledger
+            allocator.mark_complete_blocks(state.request_id, prompt, len(prompt) // size)
+            for i, page in enumerate(allocator.block_table[state.request_id][: len(prompt) // size]):
+                page_hash = ledger.block_to_hash.get(page)
+                if features is not None and page_hash is not None and page_hash not in self.page_features:
+                    self.page_features[page_hash] = features[i * size : (i + 1) * size].clone()
+            if len(self.page_features) > 2 * len(ledger.hash_to_block) + 64:
+                self.page_features = {h: f for h, f in self.page_features.items() if h in ledger.hash_to_block}
+
     def _after_offloads(self) -> None:
         """Requests that transformers offloaded under cache pressure (they wait to be scheduled again) give up the
         tree they were to bring. One whose cache went to the CPU resumes by processing its root alone (what it would
@@ -355,6 +389,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._forget_gone()
         if not self._idle:
             self._idle = True
+            hashed = {h for allocator in self.cache.cache_allocators.values() for h in allocator.ledger.hash_to_block}
+            self.page_features = {h: f for h, f in self.page_features.items() if h in hashed}
             for controller in self.controllers.values():
                 if isinstance(controller, RoundController):
                     save_costs(controller.key, controller.learned_costs())
@@ -475,7 +511,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._chosen = None
         self._round_started = time.perf_counter()  # the round's drafting counts in its cost
         self._catch_up_s = 0.0  # of which reading positions that earlier rounds left to the draft
-        if not states:
+        if not states or not self.rows:  # nothing decodes, or only requests without a draft row (`_prompt_features`)
             return
         controller = self._controller(len(states))
         choice = controller.choose(*self.drafter.signals())  # finds every row's lookup chains for this round

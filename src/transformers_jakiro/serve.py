@@ -279,7 +279,7 @@ def continuous_batching_manager(model, settings: dict, generation_config=None, c
                                 workload_hints=None, plain=None):
     """What the served model's `init_continuous_batching` returns: transformers' manager with Jakiro rounds
     (`continuous.JakiroContinuousBatchingManager`) over the server's configuration, with what the rounds need set
-    (prefix sharing, async batching and CUDA graphs off; logged); transformers' own manager (`plain`, the unwrapped
+    (async batching and CUDA graphs off; prefix sharing of prompt pages as configured; logged); transformers' own manager (`plain`, the unwrapped
     method), with a warning, where the rounds refuse (a repetition penalty in the generation config, another attention kernel)."""
     from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
 
@@ -306,8 +306,9 @@ def continuous_batching_manager(model, settings: dict, generation_config=None, c
 
     manager = JakiroContinuousBatchingManager(model, draft, generation_config, config,
                                               TreeSettings.resolve(draft, **extra))
-    logger.warning("jakiro: continuous batching with the Jakiro draft (prefix sharing, async batching and CUDA graphs "
-                   "off; %s blocks, %s tokens per batch)", config.num_blocks or "auto", config.max_batch_tokens or "auto")
+    logger.warning("jakiro: continuous batching with the Jakiro draft (async batching and CUDA graphs off; prefix "
+                   "sharing %s; %s blocks, %s tokens per batch)", "on" if config.allow_block_sharing else "off",
+                   config.num_blocks or "auto", config.max_batch_tokens or "auto")
     return manager
 
 
