@@ -342,7 +342,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         page's features are gone (the request then takes plain steps: exact, without a draft)."""
         features = torch.cat(chunks)
         shared = len(state.initial_tokens) - features.shape[0]
-        if shared == 0:
+        if shared <= 0:
             return features
         allocator = next(iter(self.cache.cache_allocators.values()))
         pages = allocator.block_table[state.request_id][: shared // allocator.tokens_per_page]
