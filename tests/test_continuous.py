@@ -325,7 +325,7 @@ def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bo
                     assert result is not None and result.error is None
                     results[result.request_id] = result
                 if forget_features:
-                    manager.batch_processor.page_features.clear()
+                    manager.batch_processor.shared_pages.by_hash.clear()
             stats = manager.batch_processor.finished_stats
         finally:
             manager.stop(block=True)

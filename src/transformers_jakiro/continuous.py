@@ -57,6 +57,7 @@ from .decoding.round_controller import (
     save_costs,
 )
 from .features import TargetFeatures
+from .shared_pages import SharedPageFeatures
 from .stats import JakiroGenerationStats
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.rows: list[str] = []  # the drafter's rows: the requests that decode
         self.trees = {}  # request id -> (the tree it brings to the next forward, the round's name)
         self.prefill_features: dict[str, list[torch.Tensor]] = {}  # chunks of a prompt whose prefill is split
-        self.page_features: dict[int, torch.Tensor] = {}  # a shared prompt page's hash -> its positions' features
+        self.shared_pages = SharedPageFeatures()  # features of prompt pages that later prompts may share
         self.request_stats: dict[str, JakiroGenerationStats] = {}  # per request: its rounds, as `generate`'s stats
         self.finished_stats: dict[str, JakiroGenerationStats] = {}
         self._logits = self._features = None
@@ -295,9 +296,10 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             tree, name = self.trees.pop(request, (None, None))
             if state.generated_len() == 0:  # the prefill ended: the first token, and the request's draft row
                 state.status = RequestStatus.DECODING
-                features = self._prompt_features(state, [*self.prefill_features.pop(request, []), self._features[rows]])
+                chunks = [*self.prefill_features.pop(request, []), self._features[rows]]
+                features = self.shared_pages.prompt_features(self.cache, state, chunks)
                 tokens, name = [token], "prefill"
-                self._share_prompt_pages(state, features)
+                self.shared_pages.share(self.cache, state, features)
                 if features is not None:
                     self.drafter.add_rows(1)
                     self.rows.append(request)
@@ -336,40 +338,6 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._keep_rows(self._alive())  # finished requests' rows leave
         self._draft_trees(decoding)
 
-    def _prompt_features(self, state, chunks: list[torch.Tensor]) -> torch.Tensor | None:
-        """The target's features at every prompt position, for the request's draft row: its prefill's, after those
-        kept for the pages it shares with an earlier prompt (transformers skipped their prefill). None when a shared
-        page's features are gone (the request then takes plain steps: exact, without a draft)."""
-        features = torch.cat(chunks)
-        shared = len(state.initial_tokens) - features.shape[0]
-        if shared <= 0:
-            return features
-        allocator = next(iter(self.cache.cache_allocators.values()))
-        pages = allocator.block_table[state.request_id][: shared // allocator.tokens_per_page]
-        kept = [self.page_features.get(allocator.ledger.block_to_hash.get(page)) for page in pages]
-        if shared % allocator.tokens_per_page or any(page is None for page in kept):
-            logger.warning("jakiro request %s: the features of its %d shared prompt tokens are gone; it decodes "
-                           "without the draft", state.request_id, shared)
-            return None
-        return torch.cat([*kept, features])
-
-    def _share_prompt_pages(self, state, features: torch.Tensor | None) -> None:
-        """When a prefill ends: the prompt's complete pages hashed for prefix sharing (transformers' own
-        `mark_complete_blocks`, given the prompt's tokens only, so no page a round writes is ever hashed) and each new
-        page's features kept by its hash. Features of pages no longer in the ledger go once they outnumber it."""
-        if not self.cache.use_prefix_sharing or state.status == RequestStatus.FINISHED:
-            return
-        prompt = list(state.initial_tokens)
-        for allocator in self.cache.cache_allocators.values():
-            size, ledger = allocator.tokens_per_page, allocator.ledger
-            allocator.mark_complete_blocks(state.request_id, prompt, len(prompt) // size)
-            for i, page in enumerate(allocator.block_table[state.request_id][: len(prompt) // size]):
-                page_hash = ledger.block_to_hash.get(page)
-                if features is not None and page_hash is not None and page_hash not in self.page_features:
-                    self.page_features[page_hash] = features[i * size : (i + 1) * size].clone()
-            if len(self.page_features) > 2 * len(ledger.hash_to_block) + 64:
-                self.page_features = {h: f for h, f in self.page_features.items() if h in ledger.hash_to_block}
-
     def _after_offloads(self) -> None:
         """Requests that transformers offloaded under cache pressure (they wait to be scheduled again) give up the
         tree they were to bring. One whose cache went to the CPU resumes by processing its root alone (what it would
@@ -389,8 +357,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._forget_gone()
         if not self._idle:
             self._idle = True
-            hashed = {h for allocator in self.cache.cache_allocators.values() for h in allocator.ledger.hash_to_block}
-            self.page_features = {h: f for h, f in self.page_features.items() if h in hashed}
+            self.shared_pages.prune(self.cache)
             for controller in self.controllers.values():
                 if isinstance(controller, RoundController):
                     save_costs(controller.key, controller.learned_costs())
@@ -511,7 +478,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._chosen = None
         self._round_started = time.perf_counter()  # the round's drafting counts in its cost
         self._catch_up_s = 0.0  # of which reading positions that earlier rounds left to the draft
-        if not states or not self.rows:  # nothing decodes, or only requests without a draft row (`_prompt_features`)
+        if not states or not self.rows:  # nothing decodes, or only requests without a draft row
             return
         controller = self._controller(len(states))
         choice = controller.choose(*self.drafter.signals())  # finds every row's lookup chains for this round
