@@ -63,7 +63,7 @@ from .stats import JakiroGenerationStats
 logger = logging.getLogger(__name__)
 
 # What the rounds need of transformers' continuous batching (5.25's layout): checked by `check_supported`.
-_CACHE_ATTRIBUTES = ("cache_allocators",)
+_CACHE_ATTRIBUTES = ("cache_allocators", "use_prefix_sharing")
 _ALLOCATOR_ATTRIBUTES = ("get_write_indices", "_kv_token_views", "block_table", "pool", "ledger", "tokens_per_page",
                          "mark_complete_blocks")
 _IO_ATTRIBUTES = ("position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k", "attention_mask", "requests_in_batch")

@@ -279,8 +279,9 @@ def continuous_batching_manager(model, settings: dict, generation_config=None, c
                                 workload_hints=None, plain=None):
     """What the served model's `init_continuous_batching` returns: transformers' manager with Jakiro rounds
     (`continuous.JakiroContinuousBatchingManager`) over the server's configuration, with what the rounds need set
-    (async batching and CUDA graphs off; prefix sharing of prompt pages as configured; logged); transformers' own manager (`plain`, the unwrapped
-    method), with a warning, where the rounds refuse (a repetition penalty in the generation config, another attention kernel)."""
+    (async batching and CUDA graphs off; prefix sharing of prompt pages as configured; logged); transformers' own
+    manager (`plain`, the unwrapped method), with a warning, where the rounds refuse (a repetition penalty in the
+    generation config, another attention kernel)."""
     from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
 
     plain = plain or ContinuousMixin.init_continuous_batching
