@@ -306,6 +306,26 @@ def test_chain_length_adapts_to_what_was_accepted():
     assert all(length <= 3 for length in lengths[1:first_whole])  # probes, and a tree 4/2/2 (3 tokens at most)
 
 
+def test_batch_lookup_rounds_bring_each_rows_chain_at_its_own_length():
+    """In a batch every row's lookup nodes enter every row's forward: in a lookup round, a row whose last chain was
+    rejected brings a one-token probe and a row whose last chain was accepted whole brings a whole chain."""
+    from transformers_jakiro.decoding.batch_drafter import BatchDrafter
+    from transformers_jakiro.decoding.round_controller import RoundChoice
+
+    draft = JakiroDraftModel.from_target(cycle_target(CYCLE))
+    settings = TreeSettings.resolve(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=10)
+    drafter = BatchDrafter(draft, settings, batch=3)
+    text = CYCLE * 2  # every row's text so far: the cycle repeats, so every row has a chain ready
+    features = torch.zeros(len(text), draft.config.hidden_size)
+    for row, accepted in ((0, 0), (1, 10), (2, 2)):
+        drafter.observe(row, features, torch.tensor(text[1:] + text[:1]), text, lookup_accepted=accepted)
+    assert drafter.signals()[0]
+    trees, kind = drafter.propose(torch.tensor([text[-1]] * 3), RoundChoice("lookup"))
+    assert kind == "lookup"
+    assert [tree.num_nodes - 1 for tree in trees] == [1, 10, 5]  # 2a + 1 after a round that accepted a, at most 10
+    assert trees[1].tokens[1:].tolist() == (CYCLE * 2)[:10]  # the cycle goes on from the text's end
+
+
 def test_rounds_after_a_whole_chain_skip_the_draft(monkeypatch):
     """While the text copies an earlier passage the draft is not run; it catches up on the accepted features later."""
     target = cycle_target(CYCLE)

@@ -75,11 +75,13 @@ class BatchDrafter:
         if lookup_accepted is not None:
             self.lookup_length[row] = min(self.settings.lookup_tokens, 2 * lookup_accepted + 1)
 
-    def chains(self, whole: bool = False) -> list[list[list[int]]]:
-        """Every row's lookup chains this round (`whole`: at full length, for lookup-only rounds)."""
+    def chains(self) -> list[list[list[int]]]:
+        """Every row's lookup chains this round, each row's at its own length (`observe`): in a batch every row's
+        chain adds to every row's round, so a row whose chains were rejected brings one token, not a whole chain,
+        until one of its chains is accepted again."""
         settings = self.settings
         return [
-            [] if index is None else index.chains(settings.lookup_tokens if whole else length, settings.lookup_chains)
+            [] if index is None else index.chains(length, settings.lookup_chains)
             for index, length in zip(self.lookup, self.lookup_length)
         ]
 
@@ -97,8 +99,7 @@ class BatchDrafter:
         """This round's trees, one per row, and the choice's name (`round_controller.RoundChoice.name`): the tree of the
         choice's size (without a choice, the settings' tree) with each row's lookup chains grafted (as the choice
         says for that row: `RoundChoice.carries_chains`), lookup chains
-        alone (whole chains, as prompt lookup proposes them; a row without a chain verifies its root alone), or the
-        roots alone (a plain batched step). Rounds without a draft forward leave the queued positions for later."""
+        alone (each row's at its length, `chains`; a row without a chain verifies its root alone), or the roots alone (a plain batched step). Rounds without a draft forward leave the queued positions for later."""
         settings = self.settings
         self.catch_up_s = 0.0  # set by `_read` in a tree round
         kind = "tree" if choice is None else choice.kind
@@ -112,7 +113,9 @@ class BatchDrafter:
             return self.trees(roots, *size, chains=chains), RoundChoice("tree", *size).name
         trees = [DraftTree.root_only(root) for root in roots.to(self.draft.fc.weight.device)]
         if kind == "lookup":
-            trees = [graft_chains(tree, chains) for tree, chains in zip(trees, self.chains(whole=True))]
+            ready = self._ready_chains
+            chains = ready if ready is not None else self.chains()
+            trees = [graft_chains(tree, row_chains) for tree, row_chains in zip(trees, chains)]
         return trees, kind
 
     def snapshot(self):
