@@ -123,9 +123,25 @@ def test_refusals_name_the_problem(pairs):
         target.config._attn_implementation = "sdpa"
 
 
+@needs_allocators
+def test_another_continuous_batching_layout_is_refused_by_name(pairs, monkeypatch):
+    """A transformers whose page ledger (or cache, allocators, batch inputs) lacks what the rounds rewrite is refused
+    when the batch processor is built, naming the missing attribute, before any request runs."""
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
+
+    from transformers_jakiro.continuous import JakiroContinuousBatchingManager, jakiro_cb_config
+
+    target, draft = pairs("llama")
+    monkeypatch.delattr(BlockLedger, "release")
+    manager = JakiroContinuousBatchingManager(target, draft, GenerationConfig(max_new_tokens=4, eos_token_id=-1),
+                                              jakiro_cb_config(page_size=4, num_blocks=16))
+    with pytest.raises(RuntimeError, match=r"continuous batching layout .*no ledger\.release"):
+        manager._create_batch_processor()
+
+
 @pytest.mark.skipif(SUPPORTED, reason="transformers >= 5.25 is supported")
 def test_older_transformers_refused_by_name(pairs):
-    from transformers_jakiro.continuous import check_supported
+    from transformers_jakiro.continuous_support import check_supported
 
     target, _ = pairs("llama")
     with pytest.raises(RuntimeError, match="needs transformers >= 5.25"):

@@ -17,8 +17,8 @@ requests take plain steps when the batch's token budget could not hold every tre
 
 Nothing of transformers is patched. `JakiroContinuousBatchingManager` is transformers' manager; the batch processor it
 builds (by name, inside transformers) becomes a `JakiroBatchProcessor`, a subclass that adds the rounds. The private
-attributes this touches are checked before any work (`check_supported`), with a clear error on transformers versions
-that lay them out otherwise.
+attributes this touches are checked before any work (`continuous_support`), with a clear error on transformers
+versions that lay them out otherwise.
 
 Sampling: every tree node's logits go through the batch's own logits processors with the request's settings
 (transformers' per-request temperature, top-k and top-p when `per_request_processors`), and the one-row rule accepts
@@ -28,7 +28,6 @@ depend on the prefix are refused by name (continuous batching applies them to on
 """
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import time
@@ -41,10 +40,10 @@ from transformers.generation.continuous_batching.continuous_api import (
 )
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+from .continuous_support import check_layout, check_supported, jakiro_cb_config
 from .decoding import verification
 from .decoding.batch_drafter import BatchDrafter
 from .decoding.drafter import TreeSettings
-from .decoding.logits import PREFIX_FREE_PROCESSORS
 from .decoding.row_rounds import LAZY_LEAVES_MIN_NODES
 from .decoding.round_controller import (
     PinnedController,
@@ -62,90 +61,15 @@ from .stats import JakiroGenerationStats
 
 logger = logging.getLogger(__name__)
 
-# What the rounds need of transformers' continuous batching (5.25's layout): checked by `check_supported`.
-_CACHE_ATTRIBUTES = ("cache_allocators", "use_prefix_sharing")
-_ALLOCATOR_ATTRIBUTES = ("get_write_indices", "_kv_token_views", "block_table", "pool", "ledger", "tokens_per_page",
-                         "mark_complete_blocks")
-_IO_ATTRIBUTES = ("position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k", "attention_mask", "requests_in_batch")
-
-
-def check_supported(target, generation_config: GenerationConfig, cb_config: ContinuousBatchingConfig) -> None:
-    """Refuses, by name and before any work, what the rounds cannot do yet: a transformers version whose continuous
-    batching lays its paged cache out otherwise (before 5.25: no page allocators), logits processors whose result
-    depends on the prefix (repetition penalty, minimum length, ...: continuous batching hands them one token),
-    attention without a dense mask (flash kernels are causal only), sliding-window layers, async batching and CUDA
-    graphs (they replay the inputs of a one-token step)."""
-    if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
-        import transformers
-
-        raise RuntimeError(
-            f"Jakiro continuous batching needs transformers >= 5.25 (its paged cache's page allocators); this is "
-            f"{transformers.__version__}. Upgrade transformers, or serve one request at a time (jakiro serve without "
-            "--continuous-batching)."
-        )
-    processors = target._get_logits_processor(generation_config)
-    prefix_dependent = [type(p).__name__ for p in processors if type(p) not in PREFIX_FREE_PROCESSORS]
-    if prefix_dependent:
-        raise ValueError(
-            f"Jakiro continuous batching applies row-wise logits processors only (temperature, top-k, top-p, min-p, "
-            f"...); this generation config adds {', '.join(prefix_dependent)}, which depend on each node's prefix. "
-            "Leave them out of the generation config, decode with `target.generate(..., assistant_model=draft)` one "
-            "request at a time, or serve without the draft."
-        )
-    attention = target.config._attn_implementation
-    if attention not in ("sdpa", "eager", "paged|eager", "paged|sdpa"):
-        raise ValueError(
-            f"The target uses attn_implementation='{attention}'; a tree needs a dense attention mask, which only sdpa "
-            "and eager build in continuous batching. Load the target with attn_implementation='sdpa'."
-        )
-    layer_types = set(getattr(target.config.get_text_config(), "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise ValueError(
-            f"Jakiro continuous batching supports full-attention layers only; this target has {sorted(layer_types)}."
-        )
-    wrong = {
-        "use_async_batching": cb_config.use_async_batching,
-        "use_cuda_graph": cb_config.use_cuda_graph,
-    }
-    wrong = {name: value for name, value in wrong.items() if value}
-    if wrong:
-        raise ValueError(
-            f"Jakiro continuous batching needs {', '.join(f'{name}=False' for name in wrong)} in the "
-            "ContinuousBatchingConfig (async batching and CUDA graphs replay a one-token step's inputs)."
-        )
-    if getattr(cb_config, "scheduler_type", "fifo") != "fifo":
-        raise ValueError("Jakiro continuous batching needs scheduler_type='fifo' (decoding requests scheduled first).")
-
-
 # A request copies an earlier passage when this many of its rounds in a row continued its lookup chain
 COPY_RUN_AFTER = 3
-
-# What the rounds need set in a ContinuousBatchingConfig (see `check_supported`; flash kernels take no tree mask)
-REQUIRED_SETTINGS = dict(use_async_batching=False, use_cuda_graph=False, auto_switch_to_flash=False)
-
-
-def jakiro_cb_config(**overrides) -> ContinuousBatchingConfig:
-    """A `ContinuousBatchingConfig` the rounds accept (`REQUIRED_SETTINGS`), with `overrides`."""
-    return ContinuousBatchingConfig(**{**REQUIRED_SETTINGS, **overrides})
-
 
 class JakiroBatchProcessor(ContinuousBatchProcessor):
     """transformers' batch processor with Jakiro rounds (see the module docstring). Made from the processor
     transformers builds, by `attach`: its class is set to this one, its state kept."""
 
     def attach(self, target, draft, settings: TreeSettings) -> None:
-        missing = [name for name in _CACHE_ATTRIBUTES if not hasattr(self.cache, name)]
-        missing += [name for name in _IO_ATTRIBUTES if not hasattr(self.inputs_and_outputs, name)]
-        for allocator in getattr(self.cache, "cache_allocators", {}).values():
-            missing += [name for name in _ALLOCATOR_ATTRIBUTES if not hasattr(allocator, name)]
-        if missing:
-            import transformers
-
-            raise RuntimeError(
-                f"Jakiro continuous batching does not know this transformers version's continuous batching layout "
-                f"({transformers.__version__}: no {', '.join(sorted(set(missing)))}); it is tested on transformers "
-                "5.25. Serve one request at a time (jakiro serve without --continuous-batching)."
-            )
+        check_layout(self)
         self.target, self.draft, self.settings = target, draft, settings
         self.feature_layers = draft.config.target_feature_layers
         # The trees' logits: the target's output layer applied to their nodes' last hidden states (the forward keeps
@@ -595,5 +519,4 @@ def jakiro_generate_batch(target, draft, inputs: list[list[int]], generation_con
     return {request: results[request] for request in ids}
 
 
-__all__ = ["JakiroBatchProcessor", "JakiroContinuousBatchingManager", "check_supported", "jakiro_cb_config",
-           "jakiro_generate_batch"]
+__all__ = ["JakiroBatchProcessor", "JakiroContinuousBatchingManager", "jakiro_cb_config", "jakiro_generate_batch"]

@@ -285,7 +285,8 @@ def continuous_batching_manager(model, settings: dict, generation_config=None, c
     from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
 
     plain = plain or ContinuousMixin.init_continuous_batching
-    from .continuous import REQUIRED_SETTINGS, JakiroContinuousBatchingManager, check_supported, jakiro_cb_config
+    from .continuous import JakiroContinuousBatchingManager
+    from .continuous_support import REQUIRED_SETTINGS, check_supported, jakiro_cb_config
 
     _log_to_stderr()
     _log_to_stderr("transformers_jakiro.continuous")
