@@ -98,25 +98,27 @@ class BatchDrafter:
     def propose(self, roots: torch.LongTensor, choice: RoundChoice | None = None) -> tuple[list[DraftTree], str]:
         """This round's trees, one per row, and the choice's name (`round_controller.RoundChoice.name`): the tree of the
         choice's size (without a choice, the settings' tree) with each row's lookup chains grafted (as the choice
-        says for that row: `RoundChoice.carries_chains`), lookup chains
-        alone (each row's at its length, `chains`; a row without a chain verifies its root alone), or the roots alone (a plain batched step). Rounds without a draft forward leave the queued positions for later."""
+        says for that row: `RoundChoice.carries_chains`), lookup chains alone (each row's at its length, `chains`; a
+        row without a chain verifies its root alone), or the roots alone (a plain batched step). Rounds without a
+        draft forward leave the queued positions for later."""
         settings = self.settings
         self.catch_up_s = 0.0  # set by `_read` in a tree round
         kind = "tree" if choice is None else choice.kind
         if kind == "tree":
             size = (settings.total_tokens, settings.depth, settings.top_k) if choice is None else (
                 choice.total_tokens, choice.depth, choice.top_k)
-            ready = self._ready_chains
-            chains = (ready if ready is not None else self.chains()) if settings.lookup_tokens > 0 else None
+            chains = self._round_chains() if settings.lookup_tokens > 0 else None
             if chains is not None and choice is not None:  # each row's own copy run decides (`carries_chains`)
                 chains = [row if choice.carries_chains(copied) else [] for row, copied in zip(chains, self.copied)]
             return self.trees(roots, *size, chains=chains), RoundChoice("tree", *size).name
         trees = [DraftTree.root_only(root) for root in roots.to(self.draft.fc.weight.device)]
         if kind == "lookup":
-            ready = self._ready_chains
-            chains = ready if ready is not None else self.chains()
-            trees = [graft_chains(tree, row_chains) for tree, row_chains in zip(trees, chains)]
+            trees = [graft_chains(tree, row_chains) for tree, row_chains in zip(trees, self._round_chains())]
         return trees, kind
+
+    def _round_chains(self) -> list[list[list[int]]]:
+        """This round's chains per row: those `signals` found, else found now."""
+        return self._ready_chains if self._ready_chains is not None else self.chains()
 
     def snapshot(self):
         """The state `restore` returns to (benchmarks replaying one round)."""
