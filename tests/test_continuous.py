@@ -303,6 +303,42 @@ def test_only_a_lone_tree_takes_its_leaves_logits_lazily(pairs, monkeypatch):
     assert any(count > 1 for count, _, _ in seen)
 
 
+class CountingHead:
+    """An output layer that notes the rows of every product it makes."""
+
+    def __init__(self, head, products: list):
+        self.head, self.weight, self.products = head, head.weight, products
+
+    def __call__(self, hidden):
+        self.products.append(hidden.shape[0])
+        return self.head(hidden)
+
+
+@needs_allocators
+def test_trees_logits_come_from_the_forwards_own_output_layer_pass(pairs, monkeypatch):
+    """The trees' node logits are kept by the forward, in the one pass of the output layer that also gives transformers
+    the row per request it samples from: no second product over the trees' rows (on a CPU each pass reads the whole
+    layer). Every node's logits from the forward here (an accelerator's way), three requests, outputs exact."""
+    from transformers_jakiro.continuous import JakiroBatchProcessor, jakiro_cb_config, jakiro_generate_batch
+
+    attach, products = JakiroBatchProcessor.attach, []
+
+    def attach_counting(self, *args):
+        attach(self, *args)
+        self.lazy_leaves = False
+        self.head = CountingHead(self.head, products)  # the processor's own products of the output layer
+
+    monkeypatch.setattr(JakiroBatchProcessor, "attach", attach_counting)
+    target, draft = pairs("llama")
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
+    prompts = prompts_of(34, 3)
+    results = jakiro_generate_batch(target, draft, prompts, greedy, jakiro_cb_config(
+        page_size=4, num_blocks=256, max_batch_tokens=64), TreeSettings.resolve(draft, adaptive=False))
+    assert sum(name.startswith("tree") for r in results.values() for name in r.jakiro_stats.choices) > 10
+    assert len(products) == 1  # the first forward's check that the output layer alone reproduces its logits
+    assert [r.generated_tokens for r in results.values()] == [alone(target, p, greedy) for p in prompts]
+
+
 def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bool = False):
     """`prompts[0]` alone, then the others together, through one manager (4-token pages): each request's generated
     tokens and stats, the features its draft row got for its prompt, and the prompt tokens whose prefill

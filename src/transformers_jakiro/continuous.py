@@ -72,9 +72,10 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         check_layout(self)
         self.target, self.draft, self.settings = target, draft, settings
         self.feature_layers = draft.config.target_feature_layers
-        # The trees' logits: the target's output layer applied to their nodes' last hidden states (the forward keeps
-        # logits for one row per request, transformers' `logits_to_keep`), where that reproduces the target's logits;
-        # otherwise (a model that scales or caps logits after it) the forward keeps every row's.
+        # The trees' logits: the forward keeps them with the row per request that transformers samples from, in the
+        # same pass of the output layer (`_ExtraLogitRows`; on a CPU each pass reads the whole layer: 20 ms for Qwen
+        # 1.5B's, CB-9). The output layer alone gives a lazy leaf's logits where it reproduces the target's; where it
+        # does not (a model that scales or caps logits after it) the forward keeps every row's.
         self.head = target.get_output_embeddings()
         self.head_checked = False
         # On a CPU a row of the output layer costs as much as several of a small target's layers: logits at a tree's
@@ -142,12 +143,13 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             self.head = None
             self.model_runner._model_supports_logits_to_keep = False
 
-    def _trees_logits(self) -> None:
-        """The logits at every tree node of this forward, in one product of the output layer over their rows
-        (`_node_logits` hands out each request's); of a lone tree on a CPU, at its internal nodes (`_lazy_tree`)."""
+    def _tree_rows_to_keep(self) -> torch.Tensor | None:
+        """The query rows whose logits this forward keeps for the trees besides transformers' own: every tree node's,
+        or of a lone tree on a CPU its internal nodes' (`_lazy_tree`); None when there is no tree or the forward keeps
+        every row anyway. `_node_logits` hands out each request's."""
         self._tree_rows, self._internal = {}, {}
         if self.head is None:
-            return
+            return None
         batch, starts = self.inputs_and_outputs.requests_in_batch, self._starts
         lazy = self._lazy_tree([future.state.request_id for future in batch])
         rows, at = [], 0
@@ -160,9 +162,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 rows.append(starts[i] + nodes)
                 self._tree_rows[starts[i]] = at
                 at += nodes.numel()
-        if rows:
-            hidden = self._features[torch.cat(rows).to(self._features.device), -self.head.weight.shape[1] :]
-            self._tree_logits = self.head(hidden).float()
+        return torch.cat(rows) if rows else None
 
     def _lazy_tree(self, requests: list[str]) -> str | None:
         """The request whose leaves get their logits lazily in this forward, if any: on a CPU, the one request that
@@ -186,19 +186,23 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
 
     @torch.no_grad()
     def _generation_step(self, model) -> None:
-        """transformers' step, keeping the logits at every query and the draft's features (hooks)."""
+        """transformers' step, keeping the logits its forward computes, the trees' among them (`_tree_rows_to_keep`),
+        and the draft's features (hooks)."""
+        rows = self._tree_rows_to_keep()
+        called = model if rows is None else _ExtraLogitRows(model, rows)
         with TargetFeatures(model, self.feature_layers) as hidden:
             if hidden.decoder is None:
                 raise ValueError("Jakiro continuous batching needs a target with a decoder module to hook.")
             handle = model.register_forward_hook(lambda module, args, output: setattr(self, "_logits", output.logits))
             try:
-                super()._generation_step(model)
+                super()._generation_step(called)
             finally:
                 handle.remove()
             self._features = hidden.take(None)[0]  # [queries, width]
+        if rows is not None:
+            self._tree_logits = called.extra[0].float()
         if not self.head_checked:
             self._check_head()
-        self._trees_logits()
 
     def update_batch(self) -> None:
         """Every request's new tokens: a prefill chunk's none, a plain step's one, a tree's accepted path and bonus
@@ -468,6 +472,29 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         seconds = time.perf_counter() - self._round_started - self._catch_up_s
         controller.record(choice, sum(counts.values()) / len(counts), seconds, sum(chains.values()) / len(counts),
                           self._catch_up_s)
+
+
+class _ExtraLogitRows:
+    """The target as transformers' model runner calls it, with `rows` appended to the rows whose logits the forward
+    keeps (`logits_to_keep`, transformers' one row per request): one pass of the output layer for both, rather than a
+    second product over the trees' rows. The runner gets its own rows back; `extra` holds the others, in order."""
+
+    def __init__(self, model, rows: torch.Tensor):
+        self.model, self.rows, self.extra = model, rows, None
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, **kwargs):
+        keep = kwargs.get("logits_to_keep")
+        if not isinstance(keep, torch.Tensor):  # only called where the runner keeps rows (`_check_head` saw it do so)
+            raise RuntimeError("Jakiro continuous batching expected transformers' model runner to pass the rows to "
+                               "keep logits at as `logits_to_keep` indices; this transformers version does not.")
+        rows = self.rows.to(device=keep.device, dtype=keep.dtype)
+        output = self.model(**{**kwargs, "logits_to_keep": torch.cat([keep, rows])})
+        self.extra = output.logits[:, keep.numel() :]
+        output.logits = output.logits[:, : keep.numel()]
+        return output
 
 
 class JakiroContinuousBatchingManager(ContinuousBatchingManager):
