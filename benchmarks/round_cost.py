@@ -208,7 +208,7 @@ def generation_kwargs(args, draft):
     if args.compiled:
         config = CompileConfig(fullgraph=False, mode="default")
         config._compile_all_devices = True  # transformers' switch for compiling on a CPU
-        kwargs.update(cache_implementation="static", compile_config=config, max_cache_len=args.new_tokens + 512)
+        kwargs.update(cache_implementation="static", compile_config=config, max_cache_len=args.new_tokens + args.cache_room)
     return kwargs
 
 
@@ -280,6 +280,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--compiled", action="store_true", help="static cache, compiled by inductor on the CPU")
+    parser.add_argument("--cache-room", type=int, default=512,
+                        help="with --compiled: the static cache holds new tokens + this many positions (at least the "
+                             "prompt, the new tokens and a tree, which the decoding loop ensures)")
     parser.add_argument("--cpu-leaf-logits", action="store_true",
                         help="keep the CPU path's lazy leaf logits (default: the accelerator path, full logits)")
     args = parser.parse_args(argv)
