@@ -208,7 +208,8 @@ def generation_kwargs(args, draft):
     if args.compiled:
         config = CompileConfig(fullgraph=False, mode="default")
         config._compile_all_devices = True  # transformers' switch for compiling on a CPU
-        kwargs.update(cache_implementation="static", compile_config=config, max_cache_len=args.new_tokens + args.cache_room)
+        kwargs.update(cache_implementation="static", compile_config=config,
+                      max_cache_len=args.new_tokens + args.cache_room)
     return kwargs
 
 
