@@ -22,7 +22,13 @@ LOOKUP, PLAIN = RoundChoice("lookup"), RoundChoice("plain")
 def test_choices_for_the_configured_tree():
     assert choices_for(24, 4, 6, lookup=True, fixed_shape=False) == [FULL, SMALL, LOOKUP, PLAIN]
     assert choices_for(24, 4, 6, lookup=False, fixed_shape=True) == [FULL, PLAIN]  # one padded tree size
-    assert choices_for(5, 1, 2, lookup=False, fixed_shape=False) == [RoundChoice("tree", 5, 1, 2), PLAIN]
+    one_node = RoundChoice("tree", 1, 1, 2, chains=False)  # a small configured tree's smaller one: a single node
+    assert choices_for(5, 1, 2, lookup=False, fixed_shape=False) == [RoundChoice("tree", 5, 1, 2), one_node, PLAIN]
+    # a batch's per-row trees (`batch_tree`): 8/2/8 at 4 rows is 2/2/2, whose smaller tree is one node; at 8 rows the
+    # per-row tree is one node already, and there is nothing smaller
+    assert choices_for(2, 2, 2, lookup=True, fixed_shape=False) == [
+        RoundChoice("tree", 2, 2, 2), one_node, LOOKUP, PLAIN]
+    assert choices_for(1, 1, 1, lookup=True, fixed_shape=False) == [RoundChoice("tree", 1, 1, 1), LOOKUP, PLAIN]
 
 
 def simulate(controller, outcome, rounds=200, lookup_ready=True):

@@ -76,8 +76,9 @@ def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_s
     full = RoundChoice("tree", total_tokens, depth, top_k)
     options = [full]
     small_depth = max(1, (depth + 1) // 2)
-    small = RoundChoice("tree", min(total_tokens // 3, small_depth + 1), small_depth, max(1, min(top_k, 4)), False)
-    if not fixed_shape and small.total_tokens >= 2:
+    small_total = max(1, min(total_tokens // 3, small_depth + 1))
+    small = RoundChoice("tree", small_total, min(small_depth, small_total), max(1, min(top_k, 4)), False)
+    if not fixed_shape and small.total_tokens < full.total_tokens:
         options.append(small)
     if lookup:
         options.append(RoundChoice("lookup"))
