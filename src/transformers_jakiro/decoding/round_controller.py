@@ -72,7 +72,10 @@ def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_s
     a 10-token chain verified alone adds 6.8 tokens on average, elsewhere 1.4: RC-2). It is for targets where every
     verified node costs compute: on a CPU, SmolLM2-135M fp32 on 1 thread, a 3-token forward costs 1.18x
     a one-token step and a 4- to 6-token one about 1.6x, so a third of the configured tree (or a one-token chain
-    grafted onto the smaller tree) lost to plain steps (docs/experiments/round-cost.md, RCOST-6)."""
+    grafted onto the smaller tree) lost to plain steps (docs/experiments/round-cost.md, RCOST-6). It has at least one
+    node, so a batch's per-row tree of 2 to 4 nodes (`batch_tree`) gets a one-node one: the cheapest drafted round
+    where each row's extra query rows cost compute (Qwen2.5-Coder-1.5B bf16 at 4 rows on a 2-core CPU, BATCH-Q4 in
+    docs/experiments/batches.md)."""
     full = RoundChoice("tree", total_tokens, depth, top_k)
     options = [full]
     small_depth = max(1, (depth + 1) // 2)
