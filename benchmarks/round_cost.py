@@ -15,6 +15,7 @@ Per-round numbers are differences between two generations (N and 1 new tokens), 
     python benchmarks/round_cost.py --layers 32                          # per-layer work shows up
     python benchmarks/round_cost.py --target smollm2-135m-instruct --draft heads/jakiro-smollm2-135m-instruct
     python benchmarks/round_cost.py --compiled                           # static cache, inductor on the CPU
+    python benchmarks/round_cost.py --compiled --cache-room 0            # no static-cache width past the need
 
 With `--compiled` the times are compiled ones; the counts come from a run in which every function that decoding
 compiles runs as one opaque call outside the dispatch mode (compiled code under a dispatch mode or hooks would
