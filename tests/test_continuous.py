@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tiny_models import ARCHS, VOCAB, trained_pairs
+from tiny_models import ARCHS, VOCAB, make_tokenizer, trained_pairs
 from transformers_jakiro.decoding.drafter import TreeSettings
 
 SUPPORTED = importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is not None
@@ -102,6 +102,68 @@ def test_requests_join_leave_and_cancel_without_leaking_pages(pairs):
     for request, prompt_expected in zip(ids, expected):
         if request != cancelled:
             assert results[request].generated_tokens == prompt_expected, request
+
+
+def mid_path_positions(stats) -> list[int]:
+    """Indices of a request's new tokens that a round accepted with more tokens after them in the same round."""
+    positions, start = [], 0
+    for length in stats.accepted_lengths:
+        positions += range(start, start + length - 1)
+        start += length
+    return positions
+
+
+@needs_allocators
+def test_stop_strings_end_requests_where_generate_alone_ends_them(pairs, monkeypatch):
+    """Stop strings from four of six requests' answers, shared by all (as a server's `stop` list), each ending where a
+    run without them accepted more tokens after it in the same round: every request ends after the token that
+    completes the first one it writes, as `generate(stop_strings=...)` of that request alone ends, one of them inside
+    an accepted path at least (counted); the others run to max_new_tokens. No stop strings are left behind; without a
+    tokenizer they are refused by name."""
+    from transformers_jakiro import continuous
+    from transformers_jakiro.continuous import JakiroContinuousBatchingManager, jakiro_cb_config, jakiro_generate_batch
+
+    target, draft = pairs("llama")
+    tokenizer = make_tokenizer()
+    config = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
+    prompts = prompts_of(31, 6)
+    settings = TreeSettings.resolve(draft, lookup_tokens=0, adaptive=False)
+    cb = jakiro_cb_config(page_size=4, num_blocks=256, max_batch_tokens=128)
+    unstopped = list(jakiro_generate_batch(target, draft, prompts, config, cb, settings=settings).values())
+    stops = []
+    for result in unstopped[:4]:
+        end = next(p for p in mid_path_positions(result.jakiro_stats) if p >= 4)
+        stops.append(tokenizer.decode([t for t in result.generated_tokens[end - 2 : end + 1] if t > 2]))
+    expected = [target.generate(torch.tensor([p]), generation_config=config, stop_strings=stops,
+                                tokenizer=tokenizer)[0, len(p) :].tolist() for p in prompts]
+    assert sum(len(e) < 30 for e in expected) >= 4, (stops, expected)
+    paths = {}  # per request: the tokens its last tree round accepted
+    verify = continuous.JakiroBatchProcessor._verify
+
+    def recording_verify(self, future, tree, rows):
+        tokens, accepted, lookup = verify(self, future, tree, rows)
+        paths[future.state.request_id] = len(tokens)
+        return tokens, accepted, lookup
+
+    monkeypatch.setattr(continuous.JakiroBatchProcessor, "_verify", recording_verify)
+    manager = JakiroContinuousBatchingManager(target, draft, config, cb, settings)
+    manager.start()
+    try:
+        ids = [manager.add_request(p, max_new_tokens=30, stop_strings=stops, tokenizer=tokenizer) for p in prompts]
+        results = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=30)
+            assert result is not None
+            results[result.request_id] = result
+        assert manager.pending_stops == {} and manager.batch_processor.stop_criteria == {}
+        finished = manager.batch_processor.finished_stats
+        assert any(finished[r].accepted_lengths[-1] < paths[r] for r in ids
+                   if r in paths and finished[r].choices[-1] not in ("plain", "prefill"))
+        with pytest.raises(ValueError, match="tokenizer"):
+            manager.add_request(prompts[0], max_new_tokens=4, stop_strings=stops)
+    finally:
+        manager.stop(block=True)
+    assert [results[request].generated_tokens for request in ids] == expected
 
 
 @needs_allocators

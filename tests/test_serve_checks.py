@@ -43,13 +43,58 @@ def test_finite_requests_pass():
     assert non_finite_field([0.0, [float("nan")]]) == ("[1][0]", pytest.approx(float("nan"), nan_ok=True))
 
 
-def test_stop_strings_refused_under_continuous_batching_only():
-    """transformers' continuous batching drops `stop`; under it a request with stop strings gets a 400 naming the
-    field instead of an answer that runs past them. Without continuous batching, and with an empty `stop`, it passes."""
+def test_stop_strings_refused_under_continuous_batching_only_where_they_cannot_be_applied(monkeypatch):
+    """Under continuous batching `stop` reaches the Jakiro rounds where transformers' server builds each request's
+    batching arguments in the method the model's process extends; where it does not (another layout) a request with
+    stop strings gets a 400 naming the field instead of an answer that runs past them. Without continuous batching,
+    and with an empty `stop`, it passes."""
+    from transformers_jakiro import serve_checks
+
     body = json.dumps({"model": "m", "messages": MESSAGES, "stop": ["\n\n"]}).encode()
-    status, text = RequestChecks(app=None, tokenizer=None, context=None, continuous_batching=True).check(body)
+    batching = RequestChecks(app=None, tokenizer=None, context=None, continuous_batching=True)
+    assert (batching.check(body) is None) == serve_checks.continuous_batching_applies_stop()
+    monkeypatch.setattr(serve_checks, "continuous_batching_applies_stop", lambda: False)
+    status, text = batching.check(body)
     error = json.loads(text)["error"]
     assert status == 400 and error["param"] == "stop" and "--continuous-batching" in error["message"]
     assert RequestChecks(app=None, tokenizer=None, context=None).check(body) is None
     empty = json.dumps({"model": "m", "messages": MESSAGES, "stop": []}).encode()
-    assert RequestChecks(app=None, tokenizer=None, context=None, continuous_batching=True).check(empty) is None
+    assert batching.check(empty) is None
+
+
+@pytest.mark.skipif(not __import__("transformers_jakiro.serve_checks").serve_checks.continuous_batching_applies_stop(),
+                    reason="this transformers' server builds continuous batching arguments otherwise")
+def test_the_model_process_hands_stop_strings_to_the_jakiro_manager_only():
+    """`serve._pass_stop_strings` (run in the server's model process): transformers' continuous batching runner
+    builds a request's arguments with its stop strings and the tokenizer for the Jakiro manager; for transformers'
+    own manager (the rounds refused the model) a request with `stop` fails by name."""
+    from transformers.cli.serving.utils import CBGenerateRunner
+
+    from transformers_jakiro.continuous import JakiroContinuousBatchingManager
+    from transformers_jakiro.serve import _pass_stop_strings
+
+    _pass_stop_strings()
+    _pass_stop_strings()  # once only
+    assert CBGenerateRunner._build_continuous_batching_kwargs._jakiro
+    assert not getattr(CBGenerateRunner._build_continuous_batching_kwargs.__wrapped__, "_jakiro", False)
+
+    class Processor:
+        supported_keys = {"temperature": float, "top_k": int, "top_p": float}
+
+    def runner(manager_class):
+        runner = object.__new__(CBGenerateRunner)
+        runner.manager = object.__new__(manager_class)
+        runner.manager.logit_processor = Processor()
+        runner.processor = "the tokenizer"
+        return runner
+
+    request = dict(do_sample=False, temperature=None, max_new_tokens=8, eos_token_id=2, stop_strings=["."])
+    kwargs = CBGenerateRunner._build_continuous_batching_kwargs(runner(JakiroContinuousBatchingManager), request)
+    assert kwargs["stop_strings"] == ["."] and kwargs["tokenizer"] == "the tokenizer" and kwargs["max_new_tokens"] == 8
+    plain = runner(type("PlainManager", (), {}))
+    with pytest.raises(ValueError, match="`stop` is not applied by transformers' own continuous batching"):
+        CBGenerateRunner._build_continuous_batching_kwargs(plain, request)
+    unstopped = {**request, "stop_strings": None}
+    assert "stop_strings" not in CBGenerateRunner._build_continuous_batching_kwargs(plain, unstopped)
+
+

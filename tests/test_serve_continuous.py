@@ -1,7 +1,8 @@
 """`jakiro serve --continuous-batching`: transformers' own server and continuous batching, each request verifying its
 own Jakiro tree, called with the real `openai` client by concurrent clients (SmolLM2-135M-Instruct, float32, the
-shipped head). Every answer equals plain greedy `generate` of that request alone; streaming and a client that goes away
-mid-stream leave the other requests exact. Before transformers 5.25 the flag is refused by name."""
+shipped head). Every answer equals plain greedy `generate` of that request alone, stop strings included; streaming
+and a client that goes away mid-stream leave the other requests exact. Before transformers 5.25 the flag is refused
+by name."""
 
 import concurrent.futures
 import importlib.util
@@ -46,19 +47,23 @@ def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300, max_retries=0)
 
 
-def _ask(server, prompt: str) -> str:
+def _ask(server, prompt: str, **kwargs) -> str:
+    return _answer(server, prompt, **kwargs).choices[0].message.content
+
+
+def _answer(server, prompt: str, **kwargs):
     client = _client(server)
     model = client.models.list().data[0].id
-    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=MAX_TOKENS, temperature=0)
-    return answer.choices[0].message.content
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=MAX_TOKENS, temperature=0, **kwargs)
 
 
-def _alone(smollm2, prompt: str) -> str:
+def _alone(smollm2, prompt: str, stop: list[str] | None = None) -> str:
     model, tokenizer = smollm2
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"]
-    out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+    stops = dict(stop_strings=stop, tokenizer=tokenizer) if stop else {}
+    out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, **stops)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
@@ -98,13 +103,34 @@ def test_streaming_and_a_client_that_goes_away(server, smollm2):
     assert _ask(server, PROMPTS[4]) == _alone(smollm2, PROMPTS[4])
 
 
-def test_stop_strings_get_a_400_naming_the_field(server):
-    """transformers' continuous batching drops `stop`: the server says so instead of answering past the stop string."""
+def test_stop_strings_end_answers_where_generate_alone_ends_them(server, smollm2):
+    """`stop` under continuous batching: four concurrent requests, each with a word from the middle of its answer as
+    its stop string (two streamed): each answer ends after the token that completes it, as greedy
+    `generate(stop_strings=...)` of that request alone ends, with finish_reason "stop"; one without `stop` beside them
+    runs on."""
+    full = {p: _alone(smollm2, p) for p in PROMPTS[:5]}
+    stops = {p: [text.split()[len(text.split()) // 2]] for p, text in full.items()}
     client = _client(server)
     model = client.models.list().data[0].id
-    with pytest.raises(openai.BadRequestError, match="continuous batching"):
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
-                                       max_tokens=8, stop=["."])
+
+    def streamed(prompt):
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=MAX_TOKENS, temperature=0, stream=True, stop=stops[prompt])
+        chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+        return "".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason
+
+    def whole(prompt):
+        answer = _answer(server, prompt, stop=stops[prompt])
+        return answer.choices[0].message.content, answer.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        jobs = [pool.submit(whole, PROMPTS[0]), pool.submit(streamed, PROMPTS[1]), pool.submit(whole, PROMPTS[2]),
+                pool.submit(streamed, PROMPTS[3]), pool.submit(_ask, server, PROMPTS[4])]
+        answers = [job.result() for job in jobs]
+    for prompt, (text, finish) in zip(PROMPTS[:4], answers):
+        assert text == _alone(smollm2, prompt, stops[prompt]), prompt
+        assert stops[prompt][0] in text and len(text) < len(full[prompt]) and finish == "stop"
+    assert answers[4] == full[PROMPTS[4]]
 
 
 def test_flag_refused_before_5_25_and_passed_through_after(smollm2):

@@ -9,11 +9,12 @@ packing, the request's positions become prefix + depth and its mask block the tr
 every node (the target's output layer over the nodes' hidden states) go through the one-row acceptance rule
 (`decoding.verification.verify`); the accepted path's KV entries move to the front of the request's written slots,
 its length rolls back to the path (`position_offset`) and pages past it go back to the pool; its tokens are appended
-one by one with transformers' own check after each (EOS, `max_new_tokens`). The decoding requests draft together:
-one `BatchDrafter` whose rows are the requests (a row joins when its request's prefill ends, with the prompt's
-features, chunks included; it leaves when the request finishes or is cancelled), so a tree round runs each draft
-forward once for all of them. Tree sizes shrink as more requests decode (`round_controller.batch_tree`), and
-requests take plain steps when the batch's token budget could not hold every tree.
+one by one with transformers' own check after each (EOS, `max_new_tokens`), then the request's stop strings. The
+decoding requests draft together: one `BatchDrafter` whose rows are the requests (a row joins when its request's
+prefill ends, with the prompt's features, chunks included; it leaves when the request finishes or is cancelled), so
+a tree round runs each draft forward once for all of them. Tree sizes shrink as more requests decode
+(`round_controller.batch_tree`), and requests take plain steps when the batch's token budget could not hold every
+tree.
 
 Nothing of transformers is patched. `JakiroContinuousBatchingManager` is transformers' manager; the batch processor it
 builds (by name, inside transformers) becomes a `JakiroBatchProcessor`, a subclass that adds the rounds. The private
@@ -28,12 +29,13 @@ depend on the prefix are refused by name (continuous batching applies them to on
 """
 
 import dataclasses
+import itertools
 import json
 import logging
 import time
 
 import torch
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig, StopStringCriteria
 from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchingManager,
     ContinuousBatchProcessor,
@@ -98,6 +100,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self._catch_up_s = 0.0
         self._idle = False  # since the last idle line, nothing was scheduled
         self._starts = []  # this step's query rows per request: request i has rows [starts[i], starts[i + 1])
+        self.pending_stops: dict[str, StopStringCriteria] = {}  # the manager's: stop strings of requests not yet here
+        self.stop_criteria: dict[str, StopStringCriteria] = {}  # per decoding request with stop strings
         self.copy_streak: dict[str, int] = {}  # per request: its last rounds in a row that continued its lookup chain
 
     def prepare_next_batch(self) -> bool:
@@ -235,6 +239,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                     context = list(state.initial_tokens) + tokens
                     self._observe(request, features, context[1:], context)
                 self.request_stats.setdefault(request, JakiroGenerationStats())
+                if request in self.pending_stops:
+                    self.stop_criteria[request] = self.pending_stops.pop(request)
             elif tree is None:  # a plain step
                 tokens, name = [token], "plain"
                 self._observe(request, self._features[rows], tokens, tokens)
@@ -243,16 +249,19 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 tokens, accepted, lookup = self._verify(future, tree, rows)
                 self._observe(request, self._features[rows][accepted], tokens, tokens, lookup)
                 counts[request], chains[request] = len(tokens), lookup or 0
-            finished, count = False, 0
-            for new in tokens:  # transformers' own checks (EOS, max_new_tokens) after every token
+            finished, count, stop = False, 0, self.stop_criteria.get(request)
+            for new in tokens:  # transformers' own checks (EOS, max_new_tokens) after every token, then stop strings
                 finished = state.update_and_check_completion(new, None)
                 count += 1
+                if not finished and stop is not None and _stops(stop, state):
+                    state.status, finished = RequestStatus.FINISHED, True
                 if finished:
                     break
             self.request_stats[request].record(count, name)
             if finished:
                 self.scheduler.finish_request(request)
                 self.scheduler.block_new_requests = False
+                self.stop_criteria.pop(request, None)
                 stats = self.finished_stats[request] = self.request_stats.pop(request)
                 logger.info("jakiro request %s: prompt %d, new %d tokens, tau %.2f, rounds %d, rounds by kind %s",
                             request, len(state.initial_tokens), stats.new_tokens, stats.mean_accepted_length,
@@ -302,7 +311,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         """Drop the draft state of requests that left without finishing here (cancelled, failed); requests that
         wait (offloaded under cache pressure, to be restored with their tokens) keep theirs."""
         alive = self._alive()
-        for table in (self.trees, self.prefill_features, self.request_stats, self.copy_streak):
+        for table in (self.trees, self.prefill_features, self.request_stats, self.copy_streak, self.stop_criteria):
             for request in [request for request in table if request not in alive]:
                 del table[request]
         self._keep_rows(alive)
@@ -475,6 +484,13 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                           self._catch_up_s)
 
 
+def _stops(criteria: StopStringCriteria, state) -> bool:
+    """Whether the request's text now ends in one of its stop strings, as `generate` decides it after each token
+    (transformers' own criteria over the prompt and the tokens so far; they read the last `maximum_token_len`)."""
+    ids = [*state.initial_tokens, *state.generated_tokens][-criteria.maximum_token_len :]
+    return bool(criteria(torch.tensor([ids]), None)[0])
+
+
 class _ExtraLogitRows:
     """The target as transformers' model runner calls it, with `rows` appended to the rows whose logits the forward
     keeps (`logits_to_keep`, transformers' one row per request): one pass of the output layer for both, rather than a
@@ -512,28 +528,52 @@ class JakiroContinuousBatchingManager(ContinuousBatchingManager):
             generation_config.eos_token_id = -1  # as transformers' init_continuous_batching
         super().__init__(target, generation_config, continuous_batching_config)
         self.draft, self.settings = draft, settings or TreeSettings.resolve(draft)
+        self.pending_stops: dict[str, StopStringCriteria] = {}  # requests' stop strings, until their prefill ends
+        self._stop_ids = itertools.count()
+
+    def add_request(self, input_ids: list[int], request_id: str | None = None, *args,
+                    stop_strings: str | list[str] | None = None, tokenizer=None, **kwargs) -> str | None:
+        """transformers' `add_request`, plus `stop_strings` (with the `tokenizer` they are matched through): the
+        request ends after the token that completes one, as `generate(stop_strings=..., tokenizer=...)` ends."""
+        if stop_strings:
+            if tokenizer is None:
+                raise ValueError("stop_strings need the tokenizer to match them: pass tokenizer= too.")
+            if request_id is None:
+                request_id = f"req_stop_{next(self._stop_ids)}"
+            self.pending_stops[request_id] = StopStringCriteria(tokenizer, stop_strings)
+        added = super().add_request(input_ids, request_id, *args, **kwargs)
+        if added is None and request_id is not None:
+            self.pending_stops.pop(request_id, None)
+        return added
+
+    def cancel_request(self, request_id: str) -> None:
+        self.pending_stops.pop(request_id, None)
+        super().cancel_request(request_id)
 
     def _create_batch_processor(self) -> ContinuousBatchProcessor:
         processor = super()._create_batch_processor()
         # transformers builds its processor by name; extending that one keeps every other part of the set-up its own
         processor.__class__ = JakiroBatchProcessor
         processor.attach(self.model, self.draft, self.settings)
+        processor.pending_stops = self.pending_stops  # handed over when the request's prefill ends
         return processor
 
 
 def jakiro_generate_batch(target, draft, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
                           continuous_batching_config: ContinuousBatchingConfig | None = None,
-                          settings: TreeSettings | None = None, max_new_tokens: int | None = None) -> dict:
+                          settings: TreeSettings | None = None, max_new_tokens: int | None = None,
+                          stop_strings: str | list[str] | None = None, tokenizer=None) -> dict:
     """Many prompts (token id lists) through continuous batching with Jakiro rounds, as transformers'
     `generate_batch`: a dict from request id to transformers' `GenerationOutput`, in the order added, each with its
     request's rounds as `jakiro_stats` (a `JakiroGenerationStats`: tokens per target forward, what each round
-    verified)."""
+    verified). `stop_strings` (with `tokenizer`) end every request as they end `generate`."""
     if generation_config is None:
         generation_config = GenerationConfig(**target.generation_config.to_dict())
     manager = JakiroContinuousBatchingManager(target, draft, generation_config, continuous_batching_config, settings)
     manager.start()
     try:
-        ids = [manager.add_request(prompt, max_new_tokens=max_new_tokens) for prompt in inputs]
+        ids = [manager.add_request(prompt, max_new_tokens=max_new_tokens, stop_strings=stop_strings,
+                                   tokenizer=tokenizer) for prompt in inputs]
         results = {}
         while len(results) < len(ids):
             result = manager.get_result(timeout=1)

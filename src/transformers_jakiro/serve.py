@@ -58,6 +58,7 @@ Batch size is 1: requests never share a generate, a cache or a draft state.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -273,6 +274,40 @@ def install_continuous_batching() -> None:
 
     init_continuous_batching._jakiro = True
     ContinuousMixin.init_continuous_batching = init_continuous_batching
+    _pass_stop_strings()
+
+
+def _pass_stop_strings() -> None:
+    """transformers' continuous batching runner builds a request's arguments for the manager without `stop`; with
+    the Jakiro manager they carry the request's stop strings and the tokenizer to match them
+    (`JakiroContinuousBatchingManager.add_request`); with transformers' own (the rounds refused this model, logged) a
+    request with `stop` fails by name instead of answering past its stop string."""
+    from .serve_checks import continuous_batching_applies_stop
+
+    if not continuous_batching_applies_stop():
+        return  # `stop` is refused up front (serve_checks)
+    from transformers.cli.serving.utils import CBGenerateRunner
+
+    from .continuous import JakiroContinuousBatchingManager
+
+    original = CBGenerateRunner._build_continuous_batching_kwargs
+    if getattr(original, "_jakiro", False):
+        return
+
+    @functools.wraps(original)
+    def build(self, generation_kwargs: dict) -> dict:
+        kwargs = original(self, generation_kwargs)
+        stop = generation_kwargs.get("stop_strings")
+        if stop:
+            if not isinstance(self.manager, JakiroContinuousBatchingManager):
+                raise ValueError("`stop` is not applied by transformers' own continuous batching, which this server "
+                                 "runs without the draft (see its log): leave `stop` out, or run jakiro serve without "
+                                 "--continuous-batching.")
+            kwargs.update(stop_strings=stop, tokenizer=getattr(self.processor, "tokenizer", self.processor))
+        return kwargs
+
+    build._jakiro = True
+    CBGenerateRunner._build_continuous_batching_kwargs = build
 
 
 def continuous_batching_manager(model, settings: dict, generation_config=None, continuous_batching_config=None,

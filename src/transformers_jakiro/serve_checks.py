@@ -35,6 +35,17 @@ def non_finite_field(value, path: str = "") -> tuple[str, float] | None:
     return None
 
 
+def continuous_batching_applies_stop() -> bool:
+    """Whether `stop` reaches the Jakiro rounds under continuous batching: transformers' server builds a request's
+    arguments for the batching manager in `CBGenerateRunner._build_continuous_batching_kwargs` (5.25), which the
+    model's process extends with the stop strings (`serve._pass_stop_strings`)."""
+    try:
+        from transformers.cli.serving.utils import CBGenerateRunner
+    except ImportError:
+        return False
+    return hasattr(CBGenerateRunner, "_build_continuous_batching_kwargs")
+
+
 class RequestChecks:
     """An ASGI wrapper of transformers' app: answers the chat completion requests that transformers would fail on
     in the middle of a generate (a 500, or an error event inside a 200 stream) with a 400 up front; passes every
@@ -44,7 +55,7 @@ class RequestChecks:
 
     def __init__(self, app, tokenizer, context: int | None, generation_config=None, continuous_batching: bool = False):
         self.app = app
-        self.continuous_batching = continuous_batching  # transformers' continuous batching drops `stop` (5.25)
+        self.continuous_batching = continuous_batching
         self.tokenizer = tokenizer
         self.context = context
         self.generation_config = generation_config  # the served model's, for `sampling_config`
@@ -97,11 +108,11 @@ class RequestChecks:
         if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                                   or not 0 < top_p <= 1):
             return _openai_error(f"`top_p` must be a number in (0, 1], got {top_p!r}.", "top_p")
-        if self.continuous_batching and body.get("stop"):
+        if self.continuous_batching and body.get("stop") and not continuous_batching_applies_stop():
             return _openai_error(
-                "`stop` is not applied under continuous batching (transformers' continuous batching drops it and would "
-                "answer past the stop string): leave `stop` out, or run jakiro serve without --continuous-batching.",
-                "stop")
+                "`stop` is not applied under continuous batching with this transformers version (its continuous "
+                "batching drops it and would answer past the stop string): leave `stop` out, or run jakiro serve "
+                "without --continuous-batching.", "stop")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -171,4 +182,4 @@ def _replay(messages, receive=None):
     return replayed
 
 
-__all__ = ["RequestChecks"]
+__all__ = ["RequestChecks", "continuous_batching_applies_stop"]
