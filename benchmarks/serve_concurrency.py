@@ -14,8 +14,9 @@ the plain server's answer to the same prompt. Both continuous-batching servers g
 one untimed request first and runs alone, with every core.
 
 `--load N` then runs a load on the last server: N requests from the largest client count, streamed and not by
-turns, every `--cancel-every`-th one cancelled after two chunks; every finished answer checked against the prompt's
-answer alone, errors, the server's memory before and after, and its last idle line (KV pages still held).
+turns, every `--cancel-every`-th one cancelled after two chunks, every `--stop-every`-th one with a stop string;
+every finished answer checked against the prompt's answer alone (with that stop string), errors, the server's memory
+before and after, and its last idle line (KV pages still held).
 
 Results go to benchmarks/results/serve-concurrency-<target>-<dtype>-<date>/: results.json (every request), load.json
 and README.md (the table and the command that reruns it). Not a test: nothing here is timed in CI.
@@ -48,10 +49,10 @@ def prompts(suite: str, count: int) -> list[str]:
     return [found[i % len(found)] for i in range(count)]
 
 
-def ask(client, model, prompt, max_tokens) -> dict:
+def ask(client, model, prompt, max_tokens, **kwargs) -> dict:
     start = time.perf_counter()
     answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=max_tokens, temperature=0)
+                                            max_tokens=max_tokens, temperature=0, **kwargs)
     return {"prompt": prompt, "text": answer.choices[0].message.content, "tokens": answer.usage.completion_tokens,
             "latency_s": time.perf_counter() - start}
 
@@ -116,13 +117,18 @@ def tree_rss_mib(pid: int) -> float:
     return total
 
 
-def load_run(server, suite_prompts: list[str], requests: int, clients: int, max_tokens: int, cancel_every: int) -> dict:
+def load_run(server, suite_prompts: list[str], requests: int, clients: int, max_tokens: int, cancel_every: int,
+             stop_every: int = 0) -> dict:
     """`requests` requests from `clients` threads, streamed and not by turns; every `cancel_every`-th one streamed
-    and closed after two chunks (the client goes away). Each finished answer is checked against the prompt's answer
-    alone (asked first, one at a time); the server's memory (process tree) is read before and after."""
+    and closed after two chunks (the client goes away); every `stop_every`-th one (counted from the second) with a
+    word from the middle of its prompt's answer as `stop`. Each finished answer is checked against the prompt's
+    answer alone, with that `stop` where it had one (asked first, one at a time); the server's memory (process tree) is
+    read before and after."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
     model = client.models.list().data[0].id
     reference = {p: ask(client, model, p, max_tokens)["text"] for p in dict.fromkeys(suite_prompts)}
+    stops = {p: [text.split()[len(text.split()) // 2]] for p, text in reference.items() if text.split()}
+    stopped = {p: ask(client, model, p, max_tokens, stop=stop)["text"] for p, stop in stops.items()}
     before = tree_rss_mib(server.process.pid)
     jobs = [(i, suite_prompts[i % len(suite_prompts)]) for i in range(requests)]
     results, lock = [], threading.Lock()
@@ -137,6 +143,8 @@ def load_run(server, suite_prompts: list[str], requests: int, clients: int, max_
                     break
             stream.close()
             return "cancelled", None
+        if stop_every and i % stop_every == 1 % stop_every and prompt in stops:
+            return "stopped", ask(client, model, prompt, max_tokens, stop=stops[prompt])["text"]
         if i % 2:
             stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                     temperature=0, stream=True)
@@ -151,15 +159,18 @@ def load_run(server, suite_prompts: list[str], requests: int, clients: int, max_
             except Exception as exc:  # recorded: an error counts against the run
                 kind, text, error = "error", None, repr(exc)
             with lock:
+                expected = stopped[prompt] if kind == "stopped" else reference[prompt]
                 results.append({"request": i, "kind": kind, "error": error,
-                                "correct": kind == "cancelled" or text == reference[prompt]})
+                                "correct": kind == "cancelled" or text == expected})
 
     wall = in_threads(work, [(jobs[c::clients],) for c in range(clients)])
     time.sleep(2)  # the last cancellations are carried out by the server's next step
     after = tree_rss_mib(server.process.pid)
     idle = [line for line in server.log().splitlines() if "continuous batching idle" in line]
     return {"requests": requests, "clients": clients, "wall_s": wall, "cancelled": sum(r["kind"] == "cancelled"
-            for r in results), "correct": sum(r["correct"] for r in results),
+            for r in results), "with_stop": sum(r["kind"] == "stopped" for r in results),
+            "stops_cut_answers": sum(len(stopped[p]) < len(reference[p]) for p in stopped),
+            "correct": sum(r["correct"] for r in results),
             "errors": [r["error"] for r in results if r["error"]], "rss_mib_before": before, "rss_mib_after": after,
             "last_idle_line": idle[-1] if idle else None, "server_alive": server.process.poll() is None,
             "rows": sorted(results, key=lambda r: r["request"])}
@@ -182,6 +193,8 @@ def main() -> int:
     parser.add_argument("--load", type=int, default=0,
                         help="then a load run of this many requests on the last server (0: none)")
     parser.add_argument("--cancel-every", type=int, default=5, help="in the load run, every N-th request is cancelled")
+    parser.add_argument("--stop-every", type=int, default=0,
+                        help="in the load run, every N-th request has a stop string (0: none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     draft = args.draft or str(ROOT / "heads" / f"jakiro-{args.target}")
@@ -202,9 +215,11 @@ def main() -> int:
             run_clients(server, requests[:1], 1, 8)  # warm-up, untimed
             results[name] = [run_clients(server, requests, clients, args.max_tokens) for clients in counts]
             if args.load and name == args.servers.split(",")[-1]:
-                load = load_run(server, requests, args.load, max(counts), args.max_tokens, args.cancel_every)
+                load = load_run(server, requests, args.load, max(counts), args.max_tokens, args.cancel_every,
+                                args.stop_every)
                 (out / "load.json").write_text(json.dumps(load, indent=1))
-                print(f"load on {name}: {load['correct']}/{load['requests']} correct ({load['cancelled']} cancelled), "
+                print(f"load on {name}: {load['correct']}/{load['requests']} correct ({load['cancelled']} cancelled, "
+                      f"{load['with_stop']} with stop), "
                       f"errors {len(load['errors'])}, {load['wall_s']:.0f} s, RSS {load['rss_mib_before']:.0f} -> "
                       f"{load['rss_mib_after']:.0f} MiB; {load['last_idle_line']}", flush=True)
         finally:
