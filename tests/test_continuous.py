@@ -116,9 +116,10 @@ def mid_path_positions(stats) -> list[int]:
 @needs_allocators
 def test_stop_strings_end_requests_where_generate_alone_ends_them(pairs, monkeypatch):
     """Stop strings from four of six requests' answers, shared by all (as a server's `stop` list), each ending where a
-    run without them accepted more tokens after it in the same round: every request ends after the token that
-    completes the first one it writes, as `generate(stop_strings=...)` of that request alone ends, one of them inside
-    an accepted path at least (counted); the others run to max_new_tokens. No stop strings are left behind; without a
+    run without them accepted more tokens after it in the same round, and one across a fifth's prompt end and first
+    token: every request ends after the token that completes the first one it writes, as `generate(stop_strings=...)`
+    of that request alone ends (the fifth at its first token), one of them inside an accepted path at least
+    (counted); the sixth runs to max_new_tokens unless it writes one. No stop strings are left behind; without a
     tokenizer they are refused by name."""
     from transformers_jakiro import continuous
     from transformers_jakiro.continuous import JakiroContinuousBatchingManager, jakiro_cb_config, jakiro_generate_batch
@@ -134,9 +135,12 @@ def test_stop_strings_end_requests_where_generate_alone_ends_them(pairs, monkeyp
     for result in unstopped[:4]:
         end = next(p for p in mid_path_positions(result.jakiro_stats) if p >= 4)
         stops.append(tokenizer.decode([t for t in result.generated_tokens[end - 2 : end + 1] if t > 2]))
+    boundary = [prompts[4][-1], unstopped[4].generated_tokens[0]]  # across the prompt's end: stops at the first token
+    assert min(boundary) > 2
+    stops.append(tokenizer.decode(boundary))
     expected = [target.generate(torch.tensor([p]), generation_config=config, stop_strings=stops,
                                 tokenizer=tokenizer)[0, len(p) :].tolist() for p in prompts]
-    assert sum(len(e) < 30 for e in expected) >= 4, (stops, expected)
+    assert sum(len(e) < 30 for e in expected) >= 5 and len(expected[4]) == 1, (stops, expected)
     paths = {}  # per request: the tokens its last tree round accepted
     verify = continuous.JakiroBatchProcessor._verify
 

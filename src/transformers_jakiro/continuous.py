@@ -486,8 +486,12 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
 
 def _stops(criteria: StopStringCriteria, state) -> bool:
     """Whether the request's text now ends in one of its stop strings, as `generate` decides it after each token
-    (transformers' own criteria over the prompt and the tokens so far; they read the last `maximum_token_len`)."""
-    ids = [*state.initial_tokens, *state.generated_tokens][-criteria.maximum_token_len :]
+    (transformers' own criteria over the prompt and the tokens so far, of which they read the last
+    `maximum_token_len`)."""
+    n = criteria.maximum_token_len
+    ids = state.generated_tokens[-n:]
+    if len(ids) < n:  # the prompt's last tokens too
+        ids = [*state.initial_tokens[len(ids) - n :], *ids]
     return bool(criteria(torch.tensor([ids]), None)[0])
 
 
