@@ -576,8 +576,8 @@ def jakiro_generate_batch(target, draft, inputs: list[list[int]], generation_con
     manager = JakiroContinuousBatchingManager(target, draft, generation_config, continuous_batching_config, settings)
     manager.start()
     try:
-        ids = [manager.add_request(prompt, max_new_tokens=max_new_tokens, stop_strings=stop_strings,
-                                   tokenizer=tokenizer) for prompt in inputs]
+        ids = [manager.add_request(prompt, f"req_{i}", max_new_tokens=max_new_tokens, stop_strings=stop_strings,
+                                   tokenizer=tokenizer) for i, prompt in enumerate(inputs)]
         results = {}
         while len(results) < len(ids):
             result = manager.get_result(timeout=1)
