@@ -92,7 +92,7 @@ def test_the_model_process_hands_stop_strings_to_the_jakiro_manager_only():
     kwargs = CBGenerateRunner._build_continuous_batching_kwargs(runner(JakiroContinuousBatchingManager), request)
     assert kwargs["stop_strings"] == ["."] and kwargs["tokenizer"] == "the tokenizer" and kwargs["max_new_tokens"] == 8
     plain = runner(type("PlainManager", (), {}))
-    with pytest.raises(ValueError, match="`stop` is not applied by transformers' own continuous batching"):
+    with pytest.raises(ValueError, match="`stop` is not applied by transformers. own continuous batching"):
         CBGenerateRunner._build_continuous_batching_kwargs(plain, request)
     unstopped = {**request, "stop_strings": None}
     assert "stop_strings" not in CBGenerateRunner._build_continuous_batching_kwargs(plain, unstopped)

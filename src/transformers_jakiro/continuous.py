@@ -58,6 +58,7 @@ from .decoding.round_controller import (
     save_costs,
 )
 from .features import TargetFeatures
+from .paged_kv import move_slots
 from .shared_pages import SharedPageFeatures
 from .stats import JakiroGenerationStats
 
@@ -372,17 +373,12 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         return processors(ids, logits, args.expand(-1, nodes).to(logits.device))
 
     def _keep_path(self, request: str, past: int, n: int, nodes: list[int]) -> None:
-        """The accepted nodes' KV entries moved to the first of the tree's slots, in path order, in every layer; the
-        pages after the kept length go back to the pool."""
+        """The accepted nodes' KV entries moved to the first of the tree's slots, in path order, in every layer at
+        once (`paged_kv.move_slots`); the pages after the kept length go back to the pool."""
         kept = past + len(nodes)
         for allocator in self.cache.cache_allocators.values():
             slots = allocator.get_write_indices(request, past, n)
-            source = torch.tensor([slots[node] for node in nodes])
-            target = torch.tensor(slots[: len(nodes)])
-            if not torch.equal(source, target):
-                for keys, values in allocator._kv_token_views.values():
-                    keys.index_copy_(0, target.to(keys.device), keys.index_select(0, source.to(keys.device)))
-                    values.index_copy_(0, target.to(values.device), values.index_select(0, source.to(values.device)))
+            move_slots(allocator, [slots[node] for node in nodes], slots[: len(nodes)])
             table = allocator.block_table[request]
             pages = -(-kept // allocator.tokens_per_page)
             tail = table[pages:]
