@@ -65,16 +65,16 @@ def test_stop_strings_refused_under_continuous_batching_only_where_they_cannot_b
 @pytest.mark.skipif(not __import__("transformers_jakiro.serve_checks").serve_checks.continuous_batching_applies_stop(),
                     reason="this transformers' server builds continuous batching arguments otherwise")
 def test_the_model_process_hands_stop_strings_to_the_jakiro_manager_only():
-    """`serve._pass_stop_strings` (run in the server's model process): transformers' continuous batching runner
+    """`serve_batching.pass_stop_strings` (run in the server's model process): transformers' continuous batching runner
     builds a request's arguments with its stop strings and the tokenizer for the Jakiro manager; for transformers'
     own manager (the rounds refused the model) a request with `stop` fails by name."""
     from transformers.cli.serving.utils import CBGenerateRunner
 
     from transformers_jakiro.continuous import JakiroContinuousBatchingManager
-    from transformers_jakiro.serve import _pass_stop_strings
+    from transformers_jakiro.serve_batching import pass_stop_strings
 
-    _pass_stop_strings()
-    _pass_stop_strings()  # once only
+    pass_stop_strings()
+    pass_stop_strings()  # once only
     assert CBGenerateRunner._build_continuous_batching_kwargs._jakiro
     assert not getattr(CBGenerateRunner._build_continuous_batching_kwargs.__wrapped__, "_jakiro", False)
 

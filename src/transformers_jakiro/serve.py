@@ -57,8 +57,6 @@ Batch size is 1: requests never share a generate, a cache or a draft state.
 
 from __future__ import annotations
 
-import copy
-import functools
 import hashlib
 import json
 import logging
@@ -90,7 +88,7 @@ def generate(model, *args, **kwargs):
 
 
 if SETTINGS.get("continuous_batching"):  # imported where the server loads the model: its batching gets the draft
-    from transformers_jakiro.serve import install_continuous_batching
+    from transformers_jakiro.serve_batching import install_continuous_batching
 
     install_continuous_batching()
 '''
@@ -204,7 +202,7 @@ def draft_for(model, settings: dict):
     return _DRAFTS[key]
 
 
-def _log_to_stderr(name: str = __name__) -> None:
+def log_to_stderr(name: str = __name__) -> None:
     """The per-request lines at INFO on stderr, also where the model runs in a process of its own (transformers 5.25
     and later start one per model; its logging is not the server's)."""
     target = logging.getLogger(name)
@@ -220,7 +218,7 @@ def serve_generate(model, settings: dict, *args, **kwargs):
     Jakiro draft (`custom_generate=jakiro_generate`), and one log line with the request's statistics."""
     from .decoding.loop import jakiro_generate
 
-    _log_to_stderr()
+    log_to_stderr()
     draft = draft_for(model, settings)
     extra = {k: settings[k] for k in ("lookup_tokens",) if k in settings}
     config = kwargs.get("generation_config")  # 5.17-5.24 pass a config; 5.25 passes its fields as keywords too
@@ -251,100 +249,6 @@ def serve_generate(model, settings: dict, *args, **kwargs):
             stats.draft_time_s, stats.verify_time_s, seconds, stats.new_tokens / seconds if seconds else 0.0,
             json.dumps(stats.choice_counts))
     return output
-
-
-def install_continuous_batching() -> None:
-    """In the server's model process: `init_continuous_batching` (how `transformers serve --continuous-batching`
-    starts its batching) answers a model prepared with `continuous_batching` (its config carries
-    `jakiro_continuous_batching`) with `continuous_batching_manager`, every other model as before. transformers'
-    server loads the model's class by name (`getattr(transformers, architectures[0])`), so no class of ours can stand
-    in for it; the method is wrapped once, in this process only."""
-    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
-
-    original = ContinuousMixin.init_continuous_batching
-    if getattr(original, "_jakiro", False):
-        return
-
-    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
-        settings = getattr(self.config, "jakiro_continuous_batching", None)
-        if not settings:
-            return original(self, generation_config, continuous_batching_config, workload_hints)
-        return continuous_batching_manager(self, settings, generation_config, continuous_batching_config,
-                                           workload_hints, original)
-
-    init_continuous_batching._jakiro = True
-    ContinuousMixin.init_continuous_batching = init_continuous_batching
-    _pass_stop_strings()
-
-
-def _pass_stop_strings() -> None:
-    """transformers' continuous batching runner builds a request's arguments for the manager without `stop`; with
-    the Jakiro manager they carry the request's stop strings and the tokenizer to match them
-    (`JakiroContinuousBatchingManager.add_request`); with transformers' own (the rounds refused this model, logged) a
-    request with `stop` fails by name instead of answering past its stop string."""
-    from .continuous import JakiroContinuousBatchingManager
-    from .serve_checks import continuous_batching_applies_stop
-
-    if not continuous_batching_applies_stop():
-        return  # `stop` is refused up front (serve_checks)
-    from transformers.cli.serving.utils import CBGenerateRunner
-
-    original = CBGenerateRunner._build_continuous_batching_kwargs
-    if getattr(original, "_jakiro", False):
-        return
-
-    @functools.wraps(original)
-    def build(self, generation_kwargs: dict) -> dict:
-        kwargs = original(self, generation_kwargs)
-        stop = generation_kwargs.get("stop_strings")
-        if stop:
-            if not isinstance(self.manager, JakiroContinuousBatchingManager):
-                raise ValueError("`stop` is not applied by transformers' own continuous batching (this server's, "
-                                 "without the draft, see its log): leave it out, or drop --continuous-batching.")
-            kwargs.update(stop_strings=stop, tokenizer=getattr(self.processor, "tokenizer", self.processor))
-        return kwargs
-
-    build._jakiro = True
-    CBGenerateRunner._build_continuous_batching_kwargs = build
-
-
-def continuous_batching_manager(model, settings: dict, generation_config=None, continuous_batching_config=None,
-                                workload_hints=None, plain=None):
-    """What the served model's `init_continuous_batching` returns: transformers' manager with Jakiro rounds
-    (`continuous.JakiroContinuousBatchingManager`) over the server's configuration, with what the rounds need set
-    (async batching and CUDA graphs off; prefix sharing of prompt pages as configured; logged); transformers' own
-    manager (`plain`, the unwrapped method), with a warning, where the rounds refuse (a repetition penalty in the
-    generation config, another attention kernel)."""
-    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
-
-    plain = plain or ContinuousMixin.init_continuous_batching
-    from .continuous import JakiroContinuousBatchingManager
-    from .continuous_support import REQUIRED_SETTINGS, check_supported, jakiro_cb_config
-
-    _log_to_stderr()
-    _log_to_stderr("transformers_jakiro.continuous")
-    generation_config = generation_config if generation_config is not None else model.generation_config
-    given = continuous_batching_config
-    config = jakiro_cb_config()
-    if given is not None:  # the server's sizes (--cb-num-blocks, ...), with what the rounds need set
-        config = copy.copy(given)
-        for name, value in REQUIRED_SETTINGS.items():
-            setattr(config, name, value)
-    try:
-        check_supported(model, generation_config, config)
-    except (ValueError, RuntimeError) as error:
-        logger.warning("jakiro: continuous batching without the draft: %s", error)
-        return plain(model, generation_config, given, workload_hints)
-    draft = draft_for(model, settings)
-    extra = {k: settings[k] for k in ("lookup_tokens",) if k in settings}
-    from .decoding.drafter import TreeSettings
-
-    manager = JakiroContinuousBatchingManager(model, draft, generation_config, config,
-                                              TreeSettings.resolve(draft, **extra))
-    logger.warning("jakiro: continuous batching with the Jakiro draft (async batching and CUDA graphs off; prefix "
-                   "sharing %s; %s blocks, %s tokens per batch)", "on" if config.allow_block_sharing else "off",
-                   config.num_blocks or "auto", config.max_batch_tokens or "auto")
-    return manager
 
 
 # ---------------------------------------------------------------- the server process (request checks: serve_checks.py)
@@ -589,8 +493,8 @@ def add_cli(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-__all__ = ["Prepared", "RequestChecks", "ServerProcess", "add_cli", "continuous_batching_manager", "draft_for",
-           "install_continuous_batching", "prepare", "run", "serve_generate"]
+__all__ = ["Prepared", "RequestChecks", "ServerProcess", "add_cli", "draft_for", "log_to_stderr", "prepare", "run",
+           "serve_generate"]
 
 
 if __name__ == "__main__":

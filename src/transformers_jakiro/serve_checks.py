@@ -38,7 +38,7 @@ def non_finite_field(value, path: str = "") -> tuple[str, float] | None:
 def continuous_batching_applies_stop() -> bool:
     """Whether `stop` reaches the Jakiro rounds under continuous batching: transformers' server builds a request's
     arguments for the batching manager in `CBGenerateRunner._build_continuous_batching_kwargs` (5.25), which the
-    model's process extends with the stop strings (`serve._pass_stop_strings`)."""
+    model's process extends with the stop strings (`serve_batching.pass_stop_strings`)."""
     try:
         from transformers.cli.serving.utils import CBGenerateRunner
     except ImportError:
