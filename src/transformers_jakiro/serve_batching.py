@@ -41,12 +41,13 @@ def pass_stop_strings() -> None:
     the Jakiro manager they carry the request's stop strings and the tokenizer to match them
     (`JakiroContinuousBatchingManager.add_request`); with transformers' own (the rounds refused this model, logged) a
     request with `stop` fails by name instead of answering past its stop string."""
-    from .continuous import JakiroContinuousBatchingManager
     from .serve_checks import continuous_batching_applies_stop
 
     if not continuous_batching_applies_stop():
         return  # `stop` is refused up front (serve_checks)
     from transformers.cli.serving.utils import CBGenerateRunner
+
+    from .continuous import JakiroContinuousBatchingManager
 
     original = CBGenerateRunner._build_continuous_batching_kwargs
     if getattr(original, "_jakiro", False):
@@ -58,8 +59,9 @@ def pass_stop_strings() -> None:
         stop = generation_kwargs.get("stop_strings")
         if stop:
             if not isinstance(self.manager, JakiroContinuousBatchingManager):
-                raise ValueError("`stop` is not applied by transformers' own continuous batching (this server's, "
-                                 "without the draft, see its log): leave it out, or drop --continuous-batching.")
+                raise ValueError("`stop` is not applied by transformers' own continuous batching, which this server "
+                                 "runs without the draft (see its log): leave `stop` out, or serve without "
+                                 "--continuous-batching.")
             kwargs.update(stop_strings=stop, tokenizer=getattr(self.processor, "tokenizer", self.processor))
         return kwargs
 
