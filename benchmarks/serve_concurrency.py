@@ -127,7 +127,8 @@ def load_run(server, suite_prompts: list[str], requests: int, clients: int, max_
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=3600, max_retries=0)
     model = client.models.list().data[0].id
     reference = {p: ask(client, model, p, max_tokens)["text"] for p in dict.fromkeys(suite_prompts)}
-    stops = {p: [text.split()[len(text.split()) // 2]] for p, text in reference.items() if text.split()}
+    # with --stop-every: a word from the middle of each answer, and the answer alone with it as `stop`
+    stops = {p: [text.split()[len(text.split()) // 2]] for p, text in reference.items() if stop_every and text.split()}
     stopped = {p: ask(client, model, p, max_tokens, stop=stop)["text"] for p, stop in stops.items()}
     before = tree_rss_mib(server.process.pid)
     jobs = [(i, suite_prompts[i % len(suite_prompts)]) for i in range(requests)]

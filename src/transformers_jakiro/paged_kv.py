@@ -37,16 +37,17 @@ def move_slots(allocator, source: list[int], target: list[int]) -> None:
     moves = [(s, t) for s, t in zip(source, target) if s != t]
     if not moves:
         return
-    views = [view for pair in allocator._kv_token_views.values() for view in pair]
-    index = torch.tensor(moves, device=views[0].device).T  # [2, moves]: sources, targets
-    rows = layer_rows(allocator)
-    if rows is None:
-        for view in views:
-            view.index_copy_(0, index[1], view.index_select(0, index[0]))
+    one_tensor = layer_rows(allocator)
+    if one_tensor is not None:
+        flat, starts = one_tensor
+        index = torch.tensor(moves, device=flat.device).T  # [2, moves]: sources, targets
+        flat_index = (starts[:, None, None] + index[None]).transpose(0, 1).reshape(2, -1)  # [2, views x moves]
+        flat.index_copy_(0, flat_index[1], flat.index_select(0, flat_index[0]))
         return
-    flat, starts = rows
-    rows = (starts[:, None, None] + index[None]).transpose(0, 1).reshape(2, -1)  # [2, views x moves]
-    flat.index_copy_(0, rows[1], flat.index_select(0, rows[0]))
+    for keys, values in allocator._kv_token_views.values():
+        index = torch.tensor(moves, device=keys.device).T
+        for view in (keys, values):
+            view.index_copy_(0, index[1], view.index_select(0, index[0]))
 
 
 __all__ = ["layer_rows", "move_slots"]

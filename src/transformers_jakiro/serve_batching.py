@@ -7,7 +7,7 @@ import copy
 import functools
 import logging
 
-from .serve import log_to_stderr, draft_for
+from .serve import draft_for, log_to_stderr
 
 logger = logging.getLogger("transformers_jakiro.serve")  # the server's per-request log, as in serve.py
 
