@@ -13,6 +13,12 @@ the plain server's answer to the same prompt. Both continuous-batching servers g
 (`--cb-num-blocks` pages of `--cb-block-size` tokens) and batch budget (`--cb-max-batch-tokens`). Each server answers
 one untimed request first and runs alone, with every core.
 
+`--interleave R` starts the servers together instead and, for each client count, runs every server's burst of
+`--requests` in turn, R times, the order reversed every other time (A B, B A, ...): while one server works the others
+idle, and each pair of bursts is minutes closer in time than servers run one after another, so a drift of the
+machine falls on both. Reported then: the servers' tokens/s over all their bursts, and the ratio of each burst to the
+baseline's burst of the same repeat (geometric mean, lowest and highest).
+
 `--load N` then runs a load on the last server: N requests from the largest client count, streamed and not by
 turns, every `--cancel-every`-th one cancelled after two chunks, every `--stop-every`-th one with a stop string;
 every finished answer checked against the prompt's answer alone (with that stop string), errors, the server's memory
@@ -98,6 +104,32 @@ def run_clients(server, requests: list[str], clients: int, max_tokens: int) -> d
             "errors": errors, "rows": rows}
 
 
+def merge_bursts(bursts: list[dict]) -> dict:
+    """One client count's bursts of one server as one run: tokens over wall time, latencies and rows of all."""
+    rows = [row for burst in bursts for row in burst["rows"]]
+    latencies = sorted(row["latency_s"] for row in rows)
+    tokens, wall = sum(b["tokens"] for b in bursts), sum(b["wall_s"] for b in bursts)
+    return {"clients": bursts[0]["clients"], "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "p50_s": statistics.median(latencies) if latencies else None,
+            "p90_s": latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))] if latencies else None,
+            "errors": [e for b in bursts for e in b["errors"]], "rows": rows,
+            "bursts_tokens_per_s": [b["tokens_per_s"] for b in bursts]}
+
+
+def interleaved(servers: dict, requests: list[str], counts: list[int], repeats: int, max_tokens: int) -> dict:
+    """Every server's burst per client count, `repeats` times, the order reversed every other repeat."""
+    names = list(servers)
+    bursts = {name: {clients: [] for clients in counts} for name in names}
+    for clients in counts:
+        for repeat in range(repeats):
+            for name in names if repeat % 2 == 0 else names[::-1]:
+                burst = run_clients(servers[name], requests, clients, max_tokens)
+                bursts[name][clients].append(burst)
+                print(f"{name:10s} clients {clients} burst {repeat + 1}: {burst['tokens_per_s']:6.1f} tokens/s",
+                      flush=True)
+    return {name: [merge_bursts(bursts[name][clients]) for clients in counts] for name in names}
+
+
 def tree_rss_mib(pid: int) -> float:
     """Resident memory of a process and its descendants (transformers >= 5.25 runs the model in a child process)."""
     children = {}
@@ -177,6 +209,12 @@ def load_run(server, suite_prompts: list[str], requests: int, clients: int, max_
             "rows": sorted(results, key=lambda r: r["request"])}
 
 
+def start_server(args, name: str, draft: str, batching: list[str], out: Path) -> ServerProcess:
+    return ServerProcess(args.target, draft if name.startswith("jakiro") else None, dtype=args.dtype,
+                         threads=args.threads, extra=batching if name.endswith("-cb") else [],
+                         log_path=out / f"server-{name}.log")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -196,8 +234,12 @@ def main() -> int:
     parser.add_argument("--cancel-every", type=int, default=5, help="in the load run, every N-th request is cancelled")
     parser.add_argument("--stop-every", type=int, default=0,
                         help="in the load run, every N-th request has a stop string (0: none)")
+    parser.add_argument("--interleave", type=int, default=0,
+                        help="start the servers together and alternate their bursts this many times (0: in turn)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.interleave and args.load:
+        parser.error("--load runs on one server after the others; leave out --interleave for it")
     draft = args.draft or str(ROOT / "heads" / f"jakiro-{args.target}")
     date = datetime.date.today().isoformat()
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"serve-concurrency-{args.target}-{args.dtype}-{date}")
@@ -207,10 +249,20 @@ def main() -> int:
     requests = prompts(args.suite, args.requests)
     counts = [int(c) for c in args.clients.split(",")]
     results = {}
-    for name in args.servers.split(","):
-        server = ServerProcess(args.target, draft if name.startswith("jakiro") else None, dtype=args.dtype,
-                               threads=args.threads, extra=batching if name.endswith("-cb") else [],
-                               log_path=out / f"server-{name}.log")
+    if args.interleave:
+        servers = {}
+        try:
+            for name in args.servers.split(","):
+                servers[name] = start_server(args, name, draft, batching, out)
+            for server in servers.values():
+                server.wait_ready(600)
+                run_clients(server, requests[:1], 1, 8)  # warm-up, untimed
+            results = interleaved(servers, requests, counts, args.interleave, args.max_tokens)
+        finally:
+            for server in servers.values():
+                server.stop()
+    for name in [] if args.interleave else args.servers.split(","):
+        server = start_server(args, name, draft, batching, out)
         try:
             server.wait_ready(600)
             run_clients(server, requests[:1], 1, 8)  # warm-up, untimed
@@ -244,22 +296,36 @@ def main() -> int:
     return 0
 
 
+def paired(run: dict, base: dict) -> str:
+    """Each burst over the baseline's burst of the same repeat: geometric mean (lowest-highest)."""
+    ratios = [a / b for a, b in zip(run["bursts_tokens_per_s"], base["bursts_tokens_per_s"])]
+    mean = statistics.geometric_mean(ratios)
+    return f"{mean:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs)"
+
+
 def report(meta, results, counts) -> str:
+    base_name = "plain-cb" if "plain-cb" in results else next(iter(results))
+    bursts = "bursts_tokens_per_s" in next(iter(results.values()))[0]
     lines = [f"# Concurrent clients: {meta['args']['target']} {meta['args']['dtype']}, {meta['args']['suite']}",
              "", f"{meta['date']}, commit {meta['commit']}. Rerun: `{meta['command']}`", "",
-             f"{meta['args']['requests']} greedy requests of at most {meta['args']['max_tokens']} tokens per client count; "
-             "aggregate completion tokens/s; ratio against plain continuous batching in the same run; identical: answers "
-             f"equal to the `{meta['reference']}` server's (bfloat16 may differ at near-ties).", "",
-             "| server | clients | tokens/s | vs plain CB | p50 s | p90 s | identical | errors |",
-             "|---|---:|---:|---:|---:|---:|---|---:|"]
-    base = {run["clients"]: run["tokens_per_s"] for run in results.get("plain-cb", [])}
+             f"{meta['args']['requests']} greedy requests of at most {meta['args']['max_tokens']} tokens per client count"
+             + (f", in {meta['args']['interleave']} interleaved bursts per server (servers up together, order "
+                "reversed every other burst)" if bursts else "")
+             + f"; aggregate completion tokens/s; ratio against {base_name} in the same run"
+             + ("; paired: each burst against the baseline's burst of the same repeat" if bursts else "")
+             + f"; identical: answers equal to the `{meta['reference']}` server's (bfloat16 may differ at near-ties).",
+             "", f"| server | clients | tokens/s | vs {base_name} |" + (" paired |" if bursts else "")
+             + " p50 s | p90 s | identical | errors |",
+             "|---|---:|---:|---:|" + ("---|" if bursts else "") + "---:|---:|---|---:|"]
+    base = {run["clients"]: run for run in results.get(base_name, [])}
     for name, runs in results.items():
         for run in runs:
-            ratio = f"{run['tokens_per_s'] / base[run['clients']]:.2f}x" if base.get(run["clients"]) else "-"
-            lines.append(f"| {name} | {run['clients']} | {run['tokens_per_s']:.1f} | {ratio} | {run['p50_s']:.1f} | "
-                         f"{run['p90_s']:.1f} | {run['identical']} | {len(run['errors'])} |")
+            other = base.get(run["clients"])
+            ratio = f"{run['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else "-"
+            pair = (f" {paired(run, other) if other and name != base_name else '-'} |" if bursts else "")
+            lines.append(f"| {name} | {run['clients']} | {run['tokens_per_s']:.1f} | {ratio} |{pair} "
+                         f"{run['p50_s']:.1f} | {run['p90_s']:.1f} | {run['identical']} | {len(run['errors'])} |")
     return "\n".join(lines) + "\n"
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -171,3 +171,36 @@ def test_concurrency_benchmark_report_and_memory():
     table = script.report(meta, results, [1, 8])
     assert "| jakiro-cb | 1 | 30.0 | 3.00x |" in table and "| jakiro-cb | 8 | 36.0 | 0.90x |" in table
     assert script.tree_rss_mib(os.getpid()) > 10
+
+
+def test_interleaved_bursts_alternate_and_pair_up(monkeypatch):
+    """`serve_concurrency.py --interleave`: each client count's bursts run server after server, the order reversed
+    every other repeat; a server's bursts merge into one run, and each burst is paired with the baseline's burst of
+    the same repeat."""
+    from benchmark_scripts import load_script
+
+    script = load_script("serve_concurrency.py", "serve_concurrency")
+    order, rates = [], {"plain-cb": [10.0, 20.0], "jakiro-cb": [15.0, 20.0]}
+
+    def fake_run(server, requests, clients, max_tokens):
+        order.append((server, clients))
+        rate = rates[server][sum(name == server for name, c in order if c == clients) - 1]
+        rows = [{"prompt": p, "text": "t", "tokens": 10, "latency_s": 10 / rate} for p in requests]
+        return {"clients": clients, "wall_s": 10 * len(rows) / rate, "tokens": 10 * len(rows),
+                "tokens_per_s": rate, "errors": [], "rows": rows}
+
+    monkeypatch.setattr(script, "run_clients", fake_run)
+    servers = {"plain-cb": "plain-cb", "jakiro-cb": "jakiro-cb"}
+    results = script.interleaved(servers, ["a", "b"], [1, 8], 2, 16)
+    assert order == [("plain-cb", 1), ("jakiro-cb", 1), ("jakiro-cb", 1), ("plain-cb", 1),
+                     ("plain-cb", 8), ("jakiro-cb", 8), ("jakiro-cb", 8), ("plain-cb", 8)]
+    merged = results["jakiro-cb"][0]
+    assert merged["tokens"] == 40 and merged["bursts_tokens_per_s"] == [15.0, 20.0]
+    assert abs(merged["tokens_per_s"] - 40 / (20 / 15 + 1)) < 1e-9  # all tokens over all bursts' wall time
+    for runs in results.values():
+        for run in runs:
+            run["identical"] = "4/4"
+    meta = {"args": {"target": "t", "dtype": "float32", "suite": "mt_bench", "requests": 2, "max_tokens": 16,
+                     "interleave": 2}, "date": "d", "commit": "c", "command": "x", "reference": "plain-cb"}
+    table = script.report(meta, results, [1, 8])
+    assert "| 1.22x (1.00-1.50, 2 pairs) |" in table  # sqrt(1.5 x 1.0)
