@@ -327,5 +327,6 @@ def report(meta, results, counts) -> str:
                          f"{run['p50_s']:.1f} | {run['p90_s']:.1f} | {run['identical']} | {len(run['errors'])} |")
     return "\n".join(lines) + "\n"
 
+
 if __name__ == "__main__":
     sys.exit(main())
