@@ -422,3 +422,48 @@ def test_a_tree_choice_carries_lookup_chains_as_it_says(monkeypatch, tmp_path, c
         decode()
         assert any(g for c, g in grafted if c)  # copy runs carry their chain
         assert any(g for c, g in grafted if not c) == chains  # elsewhere only with chains
+
+
+def test_a_joined_rows_prompt_is_read_in_a_forward_of_its_own():
+    """A row that joins a batch (continuous batching) reads its prompt in its own forward, not padded across every
+    row: the forwards are [1, prompt] then [rows, 2] queries, not [rows, prompt]. Every row's tree is the one a single
+    padded read gives."""
+    from transformers_jakiro.decoding.batch_drafter import BatchDrafter
+    from transformers_jakiro.decoding.round_controller import RoundChoice
+
+    torch.manual_seed(0)
+    draft = JakiroDraftModel.from_target(cycle_target(CYCLE))
+    settings = TreeSettings.resolve(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=0)
+    width, text = draft.config.hidden_size, CYCLE * 3
+    first = [torch.randn(len(text), width) for _ in range(2)]
+    later = [torch.randn(2, width) for _ in range(2)]
+    joined = torch.randn(len(text) - 4, width)
+
+    def round_with_join(split: bool):
+        drafter = BatchDrafter(draft, settings, batch=2)
+        for row in range(2):
+            drafter.observe(row, first[row], torch.tensor(text[1:] + text[:1]), text)
+        drafter.propose(torch.tensor([text[-1]] * 2), RoundChoice("tree", 4, 2, 2))  # the prompts: one forward
+        drafter.add_rows(1)
+        for row in range(2):
+            drafter.observe(row, later[row], torch.tensor(text[:2]), text[:2])
+        drafter.observe(2, joined, torch.tensor(text[1:len(text) - 3]), text[:-4])
+        if not split:  # one forward padded across every row, as before
+            drafter._read = lambda: BatchDrafter._read_rows(drafter, None)
+        shapes = []
+        hook = draft.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(
+            tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        try:
+            trees, _ = drafter.propose(torch.tensor([text[1], text[1], text[-4]]), RoundChoice("tree", 4, 2, 2))
+        finally:
+            hook.remove()
+        return trees, shapes[:-1], drafter  # the last forward: the tree's second level
+
+    trees, shapes, drafter = round_with_join(split=True)
+    padded_trees, padded_shapes, padded = round_with_join(split=False)
+    assert shapes == [(1, len(text) - 4), (3, 2)] and padded_shapes == [(3, len(text) - 4)]
+    for tree, reference in zip(trees, padded_trees):
+        assert tree.tokens.tolist() == reference.tokens.tolist()
+        assert tree.parents.tolist() == reference.parents.tolist()
+        torch.testing.assert_close(tree.scores, reference.scores, rtol=1e-4, atol=1e-5)
+    assert drafter.present == padded.present == [len(text) + 2, len(text) + 2, len(text) - 4]

@@ -7,7 +7,8 @@ by row). What differs is the draft's KV cache, shared by the rows, whose rows ac
     leaves *holes*, entries that `key_mask` marks as absent and that no query ever sees. Each row's position ids
     count only its own present entries, so a row's draft computes what it would compute alone (up to rounding).
   * A read appends the accepted positions of every row (right-padded to the longest, the padding being holes), in
-    one forward. The prompt is the first read: left padding never enters the draft's cache.
+    one forward. The prompt is the first read: left padding never enters the draft's cache. Rows that join later (a
+    continuous batch) read their prompts in a forward of their own, appended as columns that are holes elsewhere.
   * A tree level is one forward over `k` nodes of every row, [rows, k] queries; the tree's entries are dropped after
     the last level, as for one row.
 
@@ -22,7 +23,7 @@ from transformers.cache_utils import DynamicCache
 
 from .round_controller import RoundChoice
 from .drafter import TreeSettings, draft_top_k
-from .kv_cache import append_empty_rows, drop_hole_columns, select_rows, truncate
+from .kv_cache import append_columns, append_empty_rows, drop_hole_columns, select_rows, truncate
 from .lookup import NgramIndex, continues
 from ..modeling_jakiro import JakiroDraftModel
 from .tree import DraftTree, flatten_tree, graft_chains
@@ -167,40 +168,72 @@ class BatchDrafter:
         return torch.cat([cached, visible_new], dim=2)[:, None]
 
     def _read(self):
-        """Read every row's queued positions in one forward. Returns the left and right outputs at each row's last
-        position ([rows, hidden] each; right None without a contrastive head)."""
+        """Read every row's queued positions. Returns the left and right outputs at each row's last position ([rows,
+        hidden] each; right None without a contrastive head). Rows that have read nothing yet (requests that just
+        joined a continuous batch: their prompts) are read in a forward of their own when other rows read too: one
+        forward pads every row to the longest queue, so a joined 150-token prompt beside 2-position rows cost what 8
+        such prompts do (CB-12). Its time counts as this round's drafting, as the padded read's did."""
+        first = [row for row, queue in enumerate(self.queued) if queue and self.present[row] == 0]
+        if not first or not any(queue for row, queue in enumerate(self.queued) if row not in first):
+            return self._read_rows(None)
+        left_first, right_first = self._read_rows(first)
+        left, right = self._read_rows(None)
+        index = torch.tensor(first, device=left.device)
+        left = left.index_copy(0, index, left_first)
+        if right is not None:
+            right = right.index_copy(0, index, right_first)
+        return left, right
+
+    def _read_rows(self, rows: list[int] | None):
+        """One forward over the queued positions of `rows` (None: every row), each row's at its own length, appended
+        to the cache as new columns (holes in the other rows). Sets `stable` for the rows read and, when every row
+        reads, `catch_up_s`. Returns the left and right outputs at each read row's last position."""
         draft, device = self.draft, self.draft.fc.weight.device
         tic = time.perf_counter()
-        features = [torch.cat([f for f, _ in queue]) for queue in self.queued]
-        tokens = [torch.cat([t for _, t in queue]) for queue in self.queued]
-        lengths = [f.shape[0] for f in features]
+        rows = list(range(self.batch)) if rows is None else rows
+        alone = len(rows) < self.batch  # rows that have read nothing: no cached entry to see, a cache of their own
+        queued = [self.queued[row] for row in rows]
+        features = [torch.cat([f for f, _ in queue]) if queue else None for queue in queued]
+        tokens = [torch.cat([t for _, t in queue]) if queue else None for queue in queued]
+        lengths = [0 if f is None else f.shape[0] for f in features]
         longest = max(lengths)
+        present = [self.present[row] for row in rows]
         newest = 1  # the first read: the prompts; later, the rows the last round accepted
-        if any(self.present):
-            newest = max((queue[-1][0].shape[0] for queue in self.queued if queue), default=longest)
-        width = features[0].shape[-1]
-        padded_features = features[0].new_zeros(self.batch, longest, width)
-        padded_tokens = tokens[0].new_zeros(self.batch, longest)
-        for row, (f, t) in enumerate(zip(features, tokens)):
-            padded_features[row, : f.shape[0]] = f
-            padded_tokens[row, : t.shape[0]] = t
+        if any(present):
+            newest = max((queue[-1][0].shape[0] for queue in queued if queue), default=longest)
+        some = next(f for f in features if f is not None)
+        padded_features = some.new_zeros(len(rows), longest, some.shape[-1])
+        padded_tokens = next(t for t in tokens if t is not None).new_zeros(len(rows), longest)
+        for i, (f, t) in enumerate(zip(features, tokens)):
+            if f is not None:
+                padded_features[i, : f.shape[0]] = f
+                padded_tokens[i, : t.shape[0]] = t
         # The host's lengths and positions in one upload (each `torch.tensor` of host data is a copy to the device)
-        lengths_t, present_t = torch.tensor([lengths, self.present], device=device)
+        lengths_t, present_t = torch.tensor([lengths, present], device=device)
         steps = torch.arange(longest, device=device)
         valid = steps[None, :] < lengths_t[:, None]  # [rows, longest]
         causal = steps[None, :, None] >= steps[None, None, :]  # query j sees new entries <= j
         visible = causal & valid[:, None, :]
         positions = present_t[:, None] + steps[None, :]
+        cache = DynamicCache() if alone else self.cache
+        mask = visible[:, None] if alone else self._mask(visible)
         out = draft(
             input_ids=padded_tokens.to(device), hidden_states=padded_features, position_ids=positions,
-            attention_mask=self._mask(visible), cache=self.cache,
+            attention_mask=mask, cache=cache,
         )
-        self.key_mask = torch.cat([self.key_mask, valid], dim=1)
-        self.present = [p + m for p, m in zip(self.present, lengths)]
-        self.stable = present_t + lengths_t  # the same on the device: each row's root was read at stable - 1
-        self.queued = [[] for _ in range(self.batch)]
-        self.catch_up_s = (time.perf_counter() - tic) * (1.0 - newest / longest)  # as the one-row drafter's
-        last = (lengths_t - 1)[:, None, None]
+        if alone:
+            index = torch.tensor(rows, device=device)
+            append_columns(self.cache, cache, index, self.batch)
+            columns = torch.zeros(self.batch, longest, dtype=torch.bool, device=device)
+            self.key_mask = torch.cat([self.key_mask, columns.index_copy(0, index, valid)], dim=1)
+        else:
+            self.key_mask = torch.cat([self.key_mask, valid], dim=1)
+            self.stable = present_t + lengths_t  # the same on the device: each row's root was read at stable - 1
+            self.catch_up_s = (time.perf_counter() - tic) * (1.0 - newest / longest)  # as the one-row drafter's
+        for row, length in zip(rows, lengths):
+            self.present[row] += length
+            self.queued[row] = []
+        last = (lengths_t - 1).clamp(min=0)[:, None, None]  # a row with nothing queued: its output is replaced
         left = out.last_hidden_state.gather(1, last.expand(-1, 1, out.last_hidden_state.shape[-1]))[:, 0]
         right = out.contrastive_hidden_state
         if right is not None and self.settings.contrastive:
@@ -209,7 +242,6 @@ class BatchDrafter:
             right = None
         return left, right
 
-    @torch.no_grad()
     def trees(self, roots: torch.LongTensor, total_tokens: int, depth: int, top_k: int, chains=None) -> list[DraftTree]:
         """Every row's tree for this round, rooted at `roots` [rows] (each row's last accepted token), with its lookup
         `chains` (per row, or None) grafted. `total_tokens`/`depth`/`top_k`: the tree size every row gets."""

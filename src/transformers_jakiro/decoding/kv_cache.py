@@ -149,6 +149,16 @@ def append_empty_rows(cache, count: int) -> None:
         layer.values = torch.cat([layer.values, layer.values.new_zeros(count, *layer.values.shape[1:])])
 
 
+def append_columns(cache, new, rows: torch.LongTensor, batch: int) -> None:
+    """Append the entries of DynamicCache `new` (written by a forward over only `rows` of a batch of `batch` rows,
+    from an empty cache) to `cache` as new positions of every row: `rows` get theirs, the others holes (zeros)."""
+    for layer, written in zip(_dynamic_layers(cache), _dynamic_layers(new)):
+        index = rows.to(layer.keys.device)
+        keys = written.keys.new_zeros(batch, *written.keys.shape[1:]).index_copy(0, index, written.keys)
+        values = written.values.new_zeros(batch, *written.values.shape[1:]).index_copy(0, index, written.values)
+        layer.keys, layer.values = torch.cat([layer.keys, keys], dim=-2), torch.cat([layer.values, values], dim=-2)
+
+
 def select_positions(cache, positions: torch.LongTensor) -> None:
     """Keep these cache positions of a DynamicCache, in this order (the others are holes in every row)."""
     for layer in _dynamic_layers(cache):
