@@ -19,6 +19,9 @@ idle, and each pair of bursts is minutes closer in time than servers run one aft
 machine falls on both. Reported then: the servers' tokens/s over all their bursts, and the ratio of each burst to the
 baseline's burst of the same repeat (geometric mean, lowest and highest).
 
+`--before DIR` with a server named `jakiro-cb@before` (any server, `@before`) runs that server from DIR/src, a
+checkout of an earlier commit (`git worktree add DIR <commit>`): before and after in one run.
+
 `--load N` then runs a load on the last server: N requests from the largest client count, streamed and not by
 turns, every `--cancel-every`-th one cancelled after two chunks, every `--stop-every`-th one with a stop string;
 every finished answer checked against the prompt's answer alone (with that stop string), errors, the server's memory
@@ -210,9 +213,15 @@ def load_run(server, suite_prompts: list[str], requests: int, clients: int, max_
 
 
 def start_server(args, name: str, draft: str, batching: list[str], out: Path) -> ServerProcess:
-    return ServerProcess(args.target, draft if name.startswith("jakiro") else None, dtype=args.dtype,
-                         threads=args.threads, extra=batching if name.endswith("-cb") else [],
-                         log_path=out / f"server-{name}.log")
+    """`name`: one of SERVERS, with `@before` the same server run from the source tree `--before` (a checkout of an
+    earlier commit), for a before/after comparison in one run."""
+    kind, _, version = name.partition("@")
+    if kind not in SERVERS or version not in ("", "before") or (version and not args.before):
+        raise SystemExit(f"unknown server {name!r}: one of {SERVERS}, optionally with @before (needs --before)")
+    env = {"PYTHONPATH": str(Path(args.before) / "src")} if version else None
+    return ServerProcess(args.target, draft if kind.startswith("jakiro") else None, dtype=args.dtype,
+                         threads=args.threads, extra=batching if kind.endswith("-cb") else [],
+                         log_path=out / f"server-{name}.log", env=env)
 
 
 def main() -> int:
@@ -236,6 +245,8 @@ def main() -> int:
                         help="in the load run, every N-th request has a stop string (0: none)")
     parser.add_argument("--interleave", type=int, default=0,
                         help="start the servers together and alternate their bursts this many times (0: in turn)")
+    parser.add_argument("--before", default=None,
+                        help="a checkout of an earlier commit: servers named NAME@before run from its src/")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.interleave and args.load:
