@@ -13,8 +13,8 @@ the plain server's answer to the same prompt. Both continuous-batching servers g
 (`--cb-num-blocks` pages of `--cb-block-size` tokens) and batch budget (`--cb-max-batch-tokens`). Each server answers
 one untimed request first and runs alone, with every core.
 
-`--interleave R` starts the servers together instead and, for each client count, runs every server's burst of
-`--requests` in turn, R times, the order reversed every other time (A B, B A, ...): while one server works the others
+`--interleave R` starts the servers together instead (each learning its round costs in a file of its own in the
+results folder) and, for each client count, runs every server's burst of `--requests` in turn, R times, the order reversed every other time (A B, B A, ...): while one server works the others
 idle, and each pair of bursts is minutes closer in time than servers run one after another, so a drift of the
 machine falls on both. Reported then: the servers' tokens/s over all their bursts, and the ratio of each burst to the
 baseline's burst of the same repeat (geometric mean, lowest and highest).
@@ -218,7 +218,9 @@ def start_server(args, name: str, draft: str, batching: list[str], out: Path) ->
     kind, _, version = name.partition("@")
     if kind not in SERVERS or version not in ("", "before") or (version and not args.before):
         raise SystemExit(f"unknown server {name!r}: one of {SERVERS}, optionally with @before (needs --before)")
-    env = {"PYTHONPATH": str(Path(args.before) / "src")} if version else None
+    env = {"PYTHONPATH": str(Path(args.before) / "src")} if version else {}
+    if args.interleave:  # servers up together learn their round costs apart (else the last to save sets both's priors)
+        env["JAKIRO_ROUND_COSTS"] = str(out / f"round-costs-{name}.json")
     return ServerProcess(args.target, draft if kind.startswith("jakiro") else None, dtype=args.dtype,
                          threads=args.threads, extra=batching if kind.endswith("-cb") else [],
                          log_path=out / f"server-{name}.log", env=env)
