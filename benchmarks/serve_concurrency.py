@@ -14,10 +14,11 @@ the plain server's answer to the same prompt. Both continuous-batching servers g
 one untimed request first and runs alone, with every core.
 
 `--interleave R` starts the servers together instead (each learning its round costs in a file of its own in the
-results folder) and, for each client count, runs every server's burst of `--requests` in turn, R times, the order reversed every other time (A B, B A, ...): while one server works the others
-idle, and each pair of bursts is minutes closer in time than servers run one after another, so a drift of the
-machine falls on both. Reported then: the servers' tokens/s over all their bursts, and the ratio of each burst to the
-baseline's burst of the same repeat (geometric mean, lowest and highest).
+results folder) and, for each client count, runs every server's burst of `--requests` in turn, R times, the order
+reversed every other time (A B, B A, ...): while one server works the others idle, and each pair of bursts is minutes
+closer in time than servers run one after another, so a drift of the machine falls on both. Reported then: the
+servers' tokens/s over all their bursts, and the ratio of each burst to the baseline's burst of the same repeat
+(geometric mean, lowest and highest).
 
 `--before DIR` with a server named `jakiro-cb@before` (any server, `@before`) runs that server from DIR/src, a
 checkout of an earlier commit (`git worktree add DIR <commit>`): before and after in one run.
