@@ -242,6 +242,7 @@ class BatchDrafter:
             right = None
         return left, right
 
+    @torch.no_grad()
     def trees(self, roots: torch.LongTensor, total_tokens: int, depth: int, top_k: int, chains=None) -> list[DraftTree]:
         """Every row's tree for this round, rooted at `roots` [rows] (each row's last accepted token), with its lookup
         `chains` (per row, or None) grafted. `total_tokens`/`depth`/`top_k`: the tree size every row gets."""
