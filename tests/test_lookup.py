@@ -467,3 +467,4 @@ def test_a_joined_rows_prompt_is_read_in_a_forward_of_its_own():
         assert tree.parents.tolist() == reference.parents.tolist()
         torch.testing.assert_close(tree.scores, reference.scores, rtol=1e-4, atol=1e-5)
     assert drafter.present == padded.present == [len(text) + 2, len(text) + 2, len(text) - 4]
+    assert not any(tree.scores.requires_grad for tree in trees)  # drafting records no autograd graph
