@@ -227,6 +227,50 @@ def start_server(args, name: str, draft: str, batching: list[str], out: Path) ->
                          log_path=out / f"server-{name}.log", env=env)
 
 
+def warmed_up(server: ServerProcess, requests: list[str]) -> ServerProcess:
+    server.wait_ready(600)
+    run_clients(server, requests[:1], 1, 8)  # one untimed request
+    return server
+
+
+def servers_in_turn(args, names, draft, batching, out, requests, counts) -> dict:
+    """Each server alone, one after another: every client count, then (the last server) the load run."""
+    results = {}
+    for name in names:
+        server = start_server(args, name, draft, batching, out)
+        try:
+            warmed_up(server, requests)
+            results[name] = [run_clients(server, requests, clients, args.max_tokens) for clients in counts]
+            if args.load and name == names[-1]:
+                load = load_run(server, requests, args.load, max(counts), args.max_tokens, args.cancel_every,
+                                args.stop_every)
+                (out / "load.json").write_text(json.dumps(load, indent=1))
+                print(f"load on {name}: {load['correct']}/{load['requests']} correct ({load['cancelled']} cancelled, "
+                      f"{load['with_stop']} with stop), "
+                      f"errors {len(load['errors'])}, {load['wall_s']:.0f} s, RSS {load['rss_mib_before']:.0f} -> "
+                      f"{load['rss_mib_after']:.0f} MiB; {load['last_idle_line']}", flush=True)
+        finally:
+            server.stop()
+        for run in results[name]:
+            print(f"{name:10s} clients {run['clients']}: {run['tokens_per_s']:6.1f} tokens/s, p50 {run['p50_s']:.1f} s, "
+                  f"p90 {run['p90_s']:.1f} s, errors {len(run['errors'])}", flush=True)
+    return results
+
+
+def interleaved_servers(args, names, draft, batching, out, requests, counts) -> dict:
+    """The servers up together (`--interleave`), their bursts alternated (`interleaved`)."""
+    servers = {}
+    try:
+        for name in names:  # all start loading before the first is waited for
+            servers[name] = start_server(args, name, draft, batching, out)
+        for server in servers.values():
+            warmed_up(server, requests)
+        return interleaved(servers, requests, counts, args.interleave, args.max_tokens)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -262,38 +306,11 @@ def main() -> int:
                 str(args.cb_block_size), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens)]
     requests = prompts(args.suite, args.requests)
     counts = [int(c) for c in args.clients.split(",")]
-    results = {}
+    names = args.servers.split(",")
     if args.interleave:
-        servers = {}
-        try:
-            for name in args.servers.split(","):
-                servers[name] = start_server(args, name, draft, batching, out)
-            for server in servers.values():
-                server.wait_ready(600)
-                run_clients(server, requests[:1], 1, 8)  # warm-up, untimed
-            results = interleaved(servers, requests, counts, args.interleave, args.max_tokens)
-        finally:
-            for server in servers.values():
-                server.stop()
-    for name in [] if args.interleave else args.servers.split(","):
-        server = start_server(args, name, draft, batching, out)
-        try:
-            server.wait_ready(600)
-            run_clients(server, requests[:1], 1, 8)  # warm-up, untimed
-            results[name] = [run_clients(server, requests, clients, args.max_tokens) for clients in counts]
-            if args.load and name == args.servers.split(",")[-1]:
-                load = load_run(server, requests, args.load, max(counts), args.max_tokens, args.cancel_every,
-                                args.stop_every)
-                (out / "load.json").write_text(json.dumps(load, indent=1))
-                print(f"load on {name}: {load['correct']}/{load['requests']} correct ({load['cancelled']} cancelled, "
-                      f"{load['with_stop']} with stop), "
-                      f"errors {len(load['errors'])}, {load['wall_s']:.0f} s, RSS {load['rss_mib_before']:.0f} -> "
-                      f"{load['rss_mib_after']:.0f} MiB; {load['last_idle_line']}", flush=True)
-        finally:
-            server.stop()
-        for run in results[name]:
-            print(f"{name:10s} clients {run['clients']}: {run['tokens_per_s']:6.1f} tokens/s, p50 {run['p50_s']:.1f} s, "
-                  f"p90 {run['p90_s']:.1f} s, errors {len(run['errors'])}", flush=True)
+        results = interleaved_servers(args, names, draft, batching, out, requests, counts)
+    else:
+        results = servers_in_turn(args, names, draft, batching, out, requests, counts)
     # the reference answers: the plain server's, else plain continuous batching's
     meta_reference = "plain" if "plain" in results else next(iter(results))
     reference = {row["prompt"]: row["text"] for run in results[meta_reference] for row in run["rows"]}
