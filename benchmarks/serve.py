@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/serve.py --target qwen2.5-coder-1.5b-instruct --dtype bfloat16 --suite humaneval
     .venv/bin/python benchmarks/serve.py ... --load 40 --clients 4      # add the load run on the Jakiro server
 
-Both servers run at once (`transformers_jakiro.serve.ServerProcess`, 127.0.0.1), each with every core, and the
+Both servers serve one request at a time (the Jakiro one with `--no-continuous-batching`; concurrent clients and
+continuous batching are `serve_concurrency.py`'s). They run at once (`transformers_jakiro.serve.ServerProcess`,
+127.0.0.1), each with every core, and the
 requests alternate between them (plain first on even requests, Jakiro first on odd ones), one at a time, so a change
 in the machine's load hits both alike; each server first answers one untimed request (its warm-up). Every request
 is streamed with the `openai` client, greedy, `max_tokens` fixed:
@@ -164,7 +166,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     suite_prompts = prompts(args.suite, args.requests)
 
-    jakiro = ServerProcess(args.target, draft, dtype=args.dtype, threads=args.threads, log_path=out / "server-jakiro.log")
+    jakiro = ServerProcess(args.target, draft, dtype=args.dtype, threads=args.threads, log_path=out / "server-jakiro.log",
+                           extra=["--no-continuous-batching"])  # one request at a time, as the plain server
     plain = ServerProcess(args.target, None, dtype=args.dtype, threads=args.threads, log_path=out / "server-plain.log")
     rows = []
     try:

@@ -1,6 +1,7 @@
 """Concurrent clients against four servers in turn, on the same prepared model: plain `transformers serve`
 (`jakiro serve --draft none`: one request at a time), plain continuous batching (`--draft none
---continuous-batching`), `jakiro serve` (one request at a time) and `jakiro serve --continuous-batching`.
+--continuous-batching`), `jakiro serve --no-continuous-batching` (one request at a time) and `jakiro serve --continuous-batching` (the default
+with a draft from transformers 5.25 on).
 
     .venv/bin/python benchmarks/serve_concurrency.py --target smollm2-135m-instruct --dtype float32 --clients 1,4,8
     .venv/bin/python benchmarks/serve_concurrency.py --target qwen2.5-coder-1.5b-instruct --dtype bfloat16 \\
@@ -222,8 +223,12 @@ def start_server(args, name: str, draft: str, batching: list[str], out: Path) ->
     env = {"PYTHONPATH": str(Path(args.before) / "src")} if version else {}
     if args.interleave:  # servers up together learn their round costs apart (else the last to save sets both's priors)
         env["JAKIRO_ROUND_COSTS"] = str(out / f"round-costs-{name}.json")
+    source = Path(args.before) / "src" if version else ROOT / "src"
+    # With a draft, continuous batching is the default where the `serve.py` of that source has the flag's "no" form
+    one_at_a_time = ["--no-continuous-batching"] if "BooleanOptionalAction" in (
+        source / "transformers_jakiro" / "serve.py").read_text() else []
     return ServerProcess(args.target, draft if kind.startswith("jakiro") else None, dtype=args.dtype,
-                         threads=args.threads, extra=batching if kind.endswith("-cb") else [],
+                         threads=args.threads, extra=batching if kind.endswith("-cb") else one_at_a_time,
                          log_path=out / f"server-{name}.log", env=env)
 
 

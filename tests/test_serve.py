@@ -1,6 +1,8 @@
 """`jakiro serve`: transformers' OpenAI-compatible server with the Jakiro draft attached, called with the real
-`openai` client on 127.0.0.1. Two servers for the whole module, started side by side: SmolLM2-135M-Instruct in
-float32 with the shipped head, and the same target with `--draft none`; short answers, one torch thread each."""
+`openai` client on 127.0.0.1. Two servers for the whole module, started side by side, one request at a time:
+SmolLM2-135M-Instruct in float32 with the shipped head (`--no-continuous-batching`; continuous batching, the default
+from transformers 5.25, is tested in test_serve_continuous.py), and the same target with `--draft none`; short
+answers, one torch thread each."""
 
 import http.client
 import json
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def servers(smollm2):  # smollm2: skips where the target is not installed, and writes its plain copy once
-    jakiro = ServerProcess(TARGET, str(HEAD), threads=1)
+    jakiro = ServerProcess(TARGET, str(HEAD), threads=1, extra=["--no-continuous-batching"])
     plain = ServerProcess(TARGET, None, threads=1)
     try:
         jakiro.wait_ready()

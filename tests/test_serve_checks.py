@@ -56,7 +56,7 @@ def test_stop_strings_refused_under_continuous_batching_only_where_they_cannot_b
     monkeypatch.setattr(serve_checks, "continuous_batching_applies_stop", lambda: False)
     status, text = batching.check(body)
     error = json.loads(text)["error"]
-    assert status == 400 and error["param"] == "stop" and "--continuous-batching" in error["message"]
+    assert status == 400 and error["param"] == "stop" and "--no-continuous-batching" in error["message"]
     assert RequestChecks(app=None, tokenizer=None, context=None).check(body) is None
     empty = json.dumps({"model": "m", "messages": MESSAGES, "stop": []}).encode()
     assert batching.check(empty) is None

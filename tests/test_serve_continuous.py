@@ -133,16 +133,35 @@ def test_stop_strings_end_answers_where_generate_alone_ends_them(server, smollm2
     assert answers[4] == full[PROMPTS[4]]
 
 
+def _print_command(*flags: str, draft: str = str(HEAD)) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "transformers_jakiro.cli", "serve", "--target", TARGET, "--draft", draft,
+               *flags, "--print-command"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
 def test_flag_refused_before_5_25_and_passed_through_after(smollm2):
-    command = [sys.executable, "-m", "transformers_jakiro.cli", "serve", "--target", TARGET, "--draft", str(HEAD),
-               "--continuous-batching", "--print-command"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = _print_command("--continuous-batching")
     if SUPPORTED:
         assert done.returncode == 0, done.stderr
-        assert "--continuous-batching" in done.stdout
+        assert "--continuous-batching" in done.stdout and "--cb-num-blocks 512" in done.stdout
     else:
         assert done.returncode != 0
         assert "needs transformers >= 5.25" in done.stderr
+
+
+def test_on_by_default_with_a_draft_where_supported(smollm2):
+    """Without the flag: continuous batching with a draft from 5.25 on (the KV memory sized explicitly), one request at
+    a time before, with a line saying why; `--no-continuous-batching` and `--draft none` serve one at a time."""
+    default = _print_command()
+    assert default.returncode == 0, default.stderr
+    if SUPPORTED:
+        assert "--continuous-batching --dtype" in default.stdout and "--cb-num-blocks 512" in default.stdout
+    else:
+        assert "--continuous-batching" not in default.stdout
+        assert "one request at a time" in default.stderr and "needs transformers >= 5.25" in default.stderr
+    for done in (_print_command("--no-continuous-batching"), _print_command(draft="none")):
+        assert done.returncode == 0, done.stderr
+        assert "--continuous-batching" not in done.stdout and "one request at a time" not in done.stderr
 
 
 def test_prepared_config_carries_the_settings(smollm2):

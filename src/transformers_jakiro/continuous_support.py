@@ -4,6 +4,8 @@ transformers' paged cache and batch inputs that the rounds read and rewrite (`ch
 is attached: the classes are transformers' own, pinned to the versions CI tests)."""
 
 import importlib.util
+import warnings
+from pathlib import Path
 
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -28,8 +30,8 @@ def check_supported(target, generation_config: GenerationConfig, cb_config: Cont
 
         raise RuntimeError(
             f"Jakiro continuous batching needs transformers >= 5.25 (its paged cache's page allocators); this is "
-            f"{transformers.__version__}. Upgrade transformers, or serve one request at a time (jakiro serve without "
-            "--continuous-batching)."
+            f"{transformers.__version__}. Upgrade transformers, or serve one request at a time (jakiro serve "
+            "--no-continuous-batching)."
         )
     processors = target._get_logits_processor(generation_config)
     prefix_dependent = [type(p).__name__ for p in processors if type(p) not in PREFIX_FREE_PROCESSORS]
@@ -81,8 +83,34 @@ def check_layout(processor) -> None:
         raise RuntimeError(
             f"Jakiro continuous batching does not know this transformers version's continuous batching layout "
             f"({transformers.__version__}: no {', '.join(sorted(set(missing)))}); it is tested on transformers "
-            "5.25. Serve one request at a time (jakiro serve without --continuous-batching)."
+            "5.25. Serve one request at a time (jakiro serve --no-continuous-batching)."
         )
+
+
+def refusal(model_dir: str | Path) -> str | None:
+    """Why Jakiro rounds could not serve the model in `model_dir` (a transformers model directory) under continuous
+    batching, or None where they can: `check_supported`'s answer for the model as the server will load it (its
+    config and generation config, the attention kernel transformers picks), read before any weight is loaded (the
+    model is built on the meta device). `jakiro serve` turns continuous batching on by default where this is None."""
+    if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
+        import transformers
+
+        return f"continuous batching with the draft needs transformers >= 5.25 (this is {transformers.__version__})"
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    if (model_dir / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    try:
+        with warnings.catch_warnings():  # building the processors warns about penalties this only names
+            warnings.simplefilter("ignore")
+            check_supported(model, model.generation_config, jakiro_cb_config())
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return None
 
 
 # What the rounds need set in a ContinuousBatchingConfig (see `check_supported`; flash kernels take no tree mask)
@@ -94,4 +122,4 @@ def jakiro_cb_config(**overrides) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(**{**REQUIRED_SETTINGS, **overrides})
 
 
-__all__ = ["REQUIRED_SETTINGS", "check_layout", "check_supported", "jakiro_cb_config"]
+__all__ = ["REQUIRED_SETTINGS", "check_layout", "check_supported", "jakiro_cb_config", "refusal"]

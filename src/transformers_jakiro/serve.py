@@ -50,14 +50,21 @@ the model's context and generation config from the prepared repository, the per-
 engine process to the same stderr, and a stream carries usage only when the request asks for it
 (`stream_options={"include_usage": true}`, OpenAI's rule).
 
-Seeds are transformers' behaviour: the server calls `torch.manual_seed(seed)` when a request arrives, so a seeded
-request repeats its answer when it is not queued behind another generate (as with plain `transformers serve`).
-Batch size is 1: requests never share a generate, a cache or a draft state.
+With a draft, the server runs transformers' continuous batching by default where the Jakiro rounds can serve the
+target (transformers >= 5.25, `continuous_support.refusal`): concurrent requests share each forward, each verifying
+its own tree (`continuous`, `serve_batching`). Everything above describes the other mode, one request at a time
+(`--no-continuous-batching`, earlier transformers, or a target the rounds refuse, which a line on stderr names):
+requests never share a generate, a cache or a draft state. Seeds are transformers' behaviour in both: the server calls
+`torch.manual_seed(seed)` when a request arrives, so one at a time a seeded request repeats its answer when it is not
+queued behind another generate (as with plain `transformers serve`); under continuous batching concurrent requests
+share the random numbers.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -375,28 +382,24 @@ def run(args) -> int:
         raise FileNotFoundError(f"draft head directory not found: {draft} (Hub ids: download the head first, e.g. "
                                 "`hf download <id> --local-dir DIR`; or --draft none)")
     dtype = _resolve_dtype(args.dtype)
-    if args.continuous_batching and draft is not None:
-        import importlib.util
-
-        if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
-            import transformers
-
-            raise SystemExit(f"jakiro serve --continuous-batching needs transformers >= 5.25 (this is "
-                             f"{transformers.__version__}); serve without it (one request at a time).")
+    args.continuous_batching = _continuous_batching(args.target, draft, args.continuous_batching)
     prepared = prepare(args.target, draft, lookup_tokens=args.lookup_tokens,
                        continuous_batching=args.continuous_batching)
-    if args.print_command:
-        print(prepared.command(args.host, args.port, dtype))
-        return 0
     config = {"model_id": prepared.model_id, "trust_remote_code": prepared.trust_remote_code, "dtype": dtype,
               "host": args.host, "port": args.port, "threads": args.threads, "settings": prepared.settings,
               "log_level": args.log_level, "device": args.device,
               "continuous_batching": args.continuous_batching}
+    command = prepared.command(args.host, args.port, dtype)
     if args.continuous_batching:  # the KV memory sized explicitly, never transformers' share of free memory
-        config.update(cb_num_blocks=args.cb_num_blocks or CB_NUM_BLOCKS, cb_block_size=args.cb_block_size or CB_BLOCK_SIZE,
-                      cb_max_batch_tokens=args.cb_max_batch_tokens or CB_MAX_BATCH_TOKENS)
-    print(f"jakiro serve: {prepared.model_id} on http://{args.host}:{args.port}/v1 (plain equivalent: "
-          f"{prepared.command(args.host, args.port, dtype)})", file=sys.stderr, flush=True)
+        sizes = dict(cb_num_blocks=args.cb_num_blocks or CB_NUM_BLOCKS, cb_block_size=args.cb_block_size or CB_BLOCK_SIZE,
+                     cb_max_batch_tokens=args.cb_max_batch_tokens or CB_MAX_BATCH_TOKENS)
+        config.update(sizes)
+        command += "".join(f" --{name.replace('_', '-')} {value}" for name, value in sizes.items())
+    if args.print_command:
+        print(command)
+        return 0
+    print(f"jakiro serve: {prepared.model_id} on http://{args.host}:{args.port}/v1 (plain equivalent: {command})",
+          file=sys.stderr, flush=True)
     # A fresh interpreter: the Hugging Face cache location and offline mode are read when huggingface_hub is imported.
     env = {**os.environ, **prepared.env}
     argv = [sys.executable, "-m", "transformers_jakiro.serve", json.dumps(config)]
@@ -404,6 +407,31 @@ def run(args) -> int:
     sys.stderr.flush()
     os.execve(sys.executable, argv, env)
     return 0  # not reached
+
+
+def _continuous_batching(target: str, draft: str | None, asked: bool | None) -> bool:
+    """Whether the server runs continuous batching. Asked for (--continuous-batching): yes, and with a draft it needs
+    transformers >= 5.25 (refused by name before). Not asked either way: with a draft, yes where the Jakiro rounds can
+    serve the target (`continuous_support.refusal`; where not, one request at a time with the draft, and a line
+    saying why); without a draft, transformers' default (one request at a time)."""
+    from .continuous_support import refusal
+
+    if asked is False or (draft is None and not asked):
+        return False
+    if asked:
+        if draft is not None and importlib.util.find_spec(
+                "transformers.generation.continuous_batching.cache_allocators") is None:
+            import transformers
+
+            raise SystemExit(f"jakiro serve --continuous-batching needs transformers >= 5.25 (this is "
+                             f"{transformers.__version__}); serve without it (one request at a time).")
+        return True
+    from .targets import plain_directory
+
+    why = refusal(plain_directory(target)[0])
+    if why is not None:
+        print(f"jakiro serve: one request at a time ({why})", file=sys.stderr, flush=True)
+    return why is None
 
 
 class ServerProcess:
@@ -479,9 +507,10 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="auto", help="transformers serve --device (auto, cpu, cuda:0, ...)")
     parser.add_argument("--log-level", default="warning", help="transformers' log level in the server")
-    parser.add_argument("--continuous-batching", action="store_true",
+    parser.add_argument("--continuous-batching", action=argparse.BooleanOptionalAction, default=None,
                         help="transformers' continuous batching: concurrent requests share each forward, each verifying "
-                             "its own Jakiro tree (transformers >= 5.25)")
+                             "its own Jakiro tree (transformers >= 5.25). Default: on with a draft where the target "
+                             "supports it, else one request at a time")
     parser.add_argument("--cb-num-blocks", type=int, default=None,
                         help=f"KV cache pages (transformers' --cb-num-blocks; default {CB_NUM_BLOCKS})")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=None,

@@ -60,8 +60,8 @@ def pass_stop_strings() -> None:
         if stop:
             if not isinstance(self.manager, JakiroContinuousBatchingManager):
                 raise ValueError("`stop` is not applied by transformers' own continuous batching, which this server "
-                                 "runs without the draft (see its log): leave `stop` out, or serve without "
-                                 "--continuous-batching.")
+                                 "runs without the draft (see its log): leave `stop` out, or serve one request "
+                                 "at a time (--no-continuous-batching).")
             kwargs.update(stop_strings=stop, tokenizer=getattr(self.processor, "tokenizer", self.processor))
         return kwargs
 

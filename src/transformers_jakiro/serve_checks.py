@@ -112,7 +112,7 @@ class RequestChecks:
             return _openai_error(
                 "`stop` is not applied under continuous batching with this transformers version (its continuous "
                 "batching drops it and would answer past the stop string): leave `stop` out, or run jakiro serve "
-                "without --continuous-batching.", "stop")
+                "--no-continuous-batching.", "stop")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
