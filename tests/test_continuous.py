@@ -569,3 +569,33 @@ def test_draft_catch_up_is_charged_to_the_rounds_that_left_it(pairs, monkeypatch
     plains = [deferred for kind, _, deferred in scripted.recorded if kind == "plain"]
     assert len(trees) >= 3 and all(deferred > 0 for _, deferred in trees[1:])  # after the first, each read a spell
     assert all(seconds > 0 for seconds, _ in trees) and not any(plains)
+
+
+@needs_allocators
+def test_offline_benchmark_pins_every_round_and_restores_the_controller(pairs):
+    """`benchmarks/cb_offline.py`: under `Pinned` every decoding round is the variant's choice (a plain step, or the
+    pinned tree), the classes are as before afterwards, and a burst answers every request in full."""
+    from benchmark_scripts import load_script
+
+    from transformers_jakiro.continuous import JakiroBatchProcessor, JakiroContinuousBatchingManager, jakiro_cb_config
+    from transformers_jakiro.decoding.round_controller import RoundChoice
+
+    script = load_script("cb_offline.py", "cb_offline")
+    assert script.parse_variant("tree:2/1/2") == RoundChoice("tree", 2, 1, 2)
+    target, draft = pairs("llama")
+    before = JakiroBatchProcessor._controller
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=-1, pad_token_id=0)
+    for choice in (RoundChoice("plain"), RoundChoice("tree", 2, 1, 2)):
+        with script.Pinned(choice):
+            cb = jakiro_cb_config(page_size=4, num_blocks=64)
+            manager = JakiroContinuousBatchingManager(target, draft, config, cb)
+            manager.start()
+            try:
+                assert script.burst(manager, prompts_of(6, 5), clients=2, max_tokens=6) > 0
+                stats = manager.batch_processor.finished_stats
+            finally:
+                manager.stop(block=True)
+        assert len(stats) == 6 and sorted(s.new_tokens for s in stats.values()) == [6] * 5 + [8]  # and the warm-up's
+        kinds = set().union(*(s.choice_counts for s in stats.values())) - {"prefill", "copy run"}
+        assert kinds == {choice.name}
+        assert JakiroBatchProcessor._controller == before
