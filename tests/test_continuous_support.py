@@ -4,7 +4,7 @@ model directory before any weight is loaded. Tiny models saved to a temporary di
 import importlib.util
 
 import pytest
-from transformers import GenerationConfig, Qwen2Config
+from transformers import GenerationConfig, Qwen2Config, T5Config
 
 from tiny_models import CONFIGS
 from transformers_jakiro.continuous_support import refusal
@@ -37,6 +37,12 @@ def test_sliding_window_layers_are_named(tmp_path):
                             "max_window_layers": 1, "layer_types": None})
     why = refusal(saved(tmp_path, config))
     assert why is not None and "full-attention layers only" in why and "sliding_attention" in why
+
+
+@needs_allocators
+def test_a_config_that_is_no_causal_lm_is_named_not_raised(tmp_path):
+    why = refusal(saved(tmp_path, T5Config(vocab_size=32, d_model=16, num_layers=1, num_heads=2)))
+    assert why is not None and "could not be checked as a causal LM's" in why
 
 
 @pytest.mark.skipif(SUPPORTED, reason="transformers >= 5.25 is supported")

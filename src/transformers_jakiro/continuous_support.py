@@ -100,8 +100,11 @@ def refusal(model_dir: str | Path) -> str | None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = Path(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    except (ValueError, KeyError, OSError) as error:  # not a causal LM transformers builds: one at a time decides
+        return f"its config could not be checked as a causal LM's ({type(error).__name__}: {error})"
     if (model_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     try:
