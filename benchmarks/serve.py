@@ -166,8 +166,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     suite_prompts = prompts(args.suite, args.requests)
 
-    jakiro = ServerProcess(args.target, draft, dtype=args.dtype, threads=args.threads, log_path=out / "server-jakiro.log",
-                           extra=["--no-continuous-batching"])  # one request at a time, as the plain server
+    jakiro = ServerProcess(args.target, draft, dtype=args.dtype, threads=args.threads,  # one at a time, as plain
+                           log_path=out / "server-jakiro.log", extra=["--no-continuous-batching"])
     plain = ServerProcess(args.target, None, dtype=args.dtype, threads=args.threads, log_path=out / "server-plain.log")
     rows = []
     try:

@@ -1,7 +1,7 @@
 """Concurrent clients against four servers in turn, on the same prepared model: plain `transformers serve`
 (`jakiro serve --draft none`: one request at a time), plain continuous batching (`--draft none
---continuous-batching`), `jakiro serve --no-continuous-batching` (one request at a time) and `jakiro serve --continuous-batching` (the default
-with a draft from transformers 5.25 on).
+--continuous-batching`), `jakiro serve --no-continuous-batching` (one request at a time) and `jakiro serve
+--continuous-batching` (the default with a draft from transformers 5.25 on).
 
     .venv/bin/python benchmarks/serve_concurrency.py --target smollm2-135m-instruct --dtype float32 --clients 1,4,8
     .venv/bin/python benchmarks/serve_concurrency.py --target qwen2.5-coder-1.5b-instruct --dtype bfloat16 \\

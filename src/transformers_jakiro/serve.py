@@ -391,7 +391,8 @@ def run(args) -> int:
               "continuous_batching": args.continuous_batching}
     command = prepared.command(args.host, args.port, dtype)
     if args.continuous_batching:  # the KV memory sized explicitly, never transformers' share of free memory
-        sizes = dict(cb_num_blocks=args.cb_num_blocks or CB_NUM_BLOCKS, cb_block_size=args.cb_block_size or CB_BLOCK_SIZE,
+        sizes = dict(cb_num_blocks=args.cb_num_blocks or CB_NUM_BLOCKS,
+                     cb_block_size=args.cb_block_size or CB_BLOCK_SIZE,
                      cb_max_batch_tokens=args.cb_max_batch_tokens or CB_MAX_BATCH_TOKENS)
         config.update(sizes)
         command += "".join(f" --{name.replace('_', '-')} {value}" for name, value in sizes.items())
@@ -508,9 +509,9 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--device", default="auto", help="transformers serve --device (auto, cpu, cuda:0, ...)")
     parser.add_argument("--log-level", default="warning", help="transformers' log level in the server")
     parser.add_argument("--continuous-batching", action=argparse.BooleanOptionalAction, default=None,
-                        help="transformers' continuous batching: concurrent requests share each forward, each verifying "
-                             "its own Jakiro tree (transformers >= 5.25). Default: on with a draft where the target "
-                             "supports it, else one request at a time")
+                        help="transformers' continuous batching: concurrent requests share each forward, each "
+                             "verifying its own Jakiro tree (transformers >= 5.25). Default: on with a draft where the "
+                             "target supports it, else one request at a time")
     parser.add_argument("--cb-num-blocks", type=int, default=None,
                         help=f"KV cache pages (transformers' --cb-num-blocks; default {CB_NUM_BLOCKS})")
     parser.add_argument("--cb-max-batch-tokens", type=int, default=None,
