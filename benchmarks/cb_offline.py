@@ -16,8 +16,8 @@ those runs it separates what the rounds cost from what serving them costs. Not a
 """
 
 import argparse
-import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -132,8 +132,8 @@ def main() -> int:
     print(f"\n| variant | tokens/s (mean) | paired vs {base} (range) |\n|---|---:|---|")
     for name, values in rates.items():
         ratios = [value / reference for value, reference in zip(values, rates[base])]
-        mean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        print(f"| {name} | {sum(values) / len(values):.1f} | {mean:.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) |")
+        mean = statistics.geometric_mean(ratios)
+        print(f"| {name} | {statistics.mean(values):.1f} | {mean:.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) |")
     return 0
 
 

@@ -3,7 +3,6 @@ output identical to plain `generate` of that request alone, whatever joins, leav
 split prefills, pages crossed by trees, lookup chains and EOS inside an accepted path; no page leaked; refusals by
 name. Needs transformers >= 5.25 (its page allocators); older versions get a clear error, tested here too."""
 
-import importlib.util
 import time
 
 import pytest
@@ -11,9 +10,10 @@ import torch
 from transformers import GenerationConfig
 
 from tiny_models import ARCHS, VOCAB, make_tokenizer, trained_pairs
+from transformers_jakiro.continuous_support import page_allocators_available
 from transformers_jakiro.decoding.drafter import TreeSettings
 
-SUPPORTED = importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is not None
+SUPPORTED = page_allocators_available()
 needs_allocators = pytest.mark.skipif(not SUPPORTED, reason="transformers < 5.25: refused (see the last test)")
 
 

@@ -1,15 +1,14 @@
 """`continuous_support.refusal`: what decides whether `jakiro serve` runs continuous batching by default, read from a
 model directory before any weight is loaded. Tiny models saved to a temporary directory."""
 
-import importlib.util
 
 import pytest
 from transformers import GenerationConfig, Qwen2Config, T5Config
 
 from tiny_models import CONFIGS
-from transformers_jakiro.continuous_support import refusal
+from transformers_jakiro.continuous_support import page_allocators_available, refusal
 
-SUPPORTED = importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is not None
+SUPPORTED = page_allocators_available()
 needs_allocators = pytest.mark.skipif(not SUPPORTED, reason="transformers < 5.25: see the last test")
 
 

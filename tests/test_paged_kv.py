@@ -1,7 +1,6 @@
 """`paged_kv.move_slots` on transformers' own paged cache (continuous batching, transformers >= 5.25): every layer's
 keys and values moved in one copy, equal to moving them view by view, sources read before any write."""
 
-import importlib.util
 
 import pytest
 import torch
@@ -9,9 +8,10 @@ from transformers import GenerationConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiny_models import make_target, quick_trained_draft
+from transformers_jakiro.continuous_support import page_allocators_available
 from transformers_jakiro.paged_kv import layer_rows, move_slots
 
-SUPPORTED = importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is not None
+SUPPORTED = page_allocators_available()
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="transformers < 5.25 has no page allocators")
 
 

@@ -5,7 +5,6 @@ and a client that goes away mid-stream leave the other requests exact. Before tr
 by name."""
 
 import concurrent.futures
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from transformers_jakiro.continuous_support import page_allocators_available
 from transformers_jakiro.serve import ServerProcess
 
 HEAD = Path(__file__).resolve().parents[1] / "heads" / "jakiro-smollm2-135m-instruct"
@@ -26,7 +26,7 @@ PROMPTS = [
     "Explain what a hash map is in two sentences.",
     "List the first five prime numbers.",
 ]
-SUPPORTED = importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is not None
+SUPPORTED = page_allocators_available()
 
 pytestmark = pytest.mark.slow
 

@@ -19,13 +19,18 @@ _LEDGER_ATTRIBUTES = ("release", "block_to_hash", "hash_to_block")  # page refer
 _IO_ATTRIBUTES = ("position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k", "attention_mask", "requests_in_batch")
 
 
+def page_allocators_available() -> bool:
+    """Whether this transformers lays its paged cache out in page allocators (5.25 and later), as the rounds need."""
+    return importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is not None
+
+
 def check_supported(target, generation_config: GenerationConfig, cb_config: ContinuousBatchingConfig) -> None:
     """Refuses, by name and before any work, what the rounds cannot do yet: a transformers version whose continuous
     batching lays its paged cache out otherwise (before 5.25: no page allocators), logits processors whose result
     depends on the prefix (repetition penalty, minimum length, ...: continuous batching hands them one token),
     attention without a dense mask (flash kernels are causal only), sliding-window layers, async batching and CUDA
     graphs (they replay the inputs of a one-token step)."""
-    if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
+    if not page_allocators_available():
         import transformers
 
         raise RuntimeError(
@@ -92,7 +97,7 @@ def refusal(model_dir: str | Path) -> str | None:
     batching, or None where they can: `check_supported`'s answer for the model as the server will load it (its
     config and generation config, the attention kernel transformers picks), read before any weight is loaded (the
     model is built on the meta device). `jakiro serve` turns continuous batching on by default where this is None."""
-    if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
+    if not page_allocators_available():
         import transformers
 
         return f"continuous batching with the draft needs transformers >= 5.25 (this is {transformers.__version__})"
@@ -125,4 +130,5 @@ def jakiro_cb_config(**overrides) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(**{**REQUIRED_SETTINGS, **overrides})
 
 
-__all__ = ["REQUIRED_SETTINGS", "check_layout", "check_supported", "jakiro_cb_config", "refusal"]
+__all__ = ["REQUIRED_SETTINGS", "check_layout", "check_supported", "jakiro_cb_config", "page_allocators_available",
+           "refusal"]

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -415,13 +414,12 @@ def _continuous_batching(target: str, draft: str | None, asked: bool | None) -> 
     transformers >= 5.25 (refused by name before). Not asked either way: with a draft, yes where the Jakiro rounds can
     serve the target (`continuous_support.refusal`; where not, one request at a time with the draft, and a line
     saying why); without a draft, transformers' default (one request at a time)."""
-    from .continuous_support import refusal
+    from .continuous_support import page_allocators_available, refusal
 
     if asked is False or (draft is None and not asked):
         return False
     if asked:
-        if draft is not None and importlib.util.find_spec(
-                "transformers.generation.continuous_batching.cache_allocators") is None:
+        if draft is not None and not page_allocators_available():
             import transformers
 
             raise SystemExit(f"jakiro serve --continuous-batching needs transformers >= 5.25 (this is "
