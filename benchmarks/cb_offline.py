@@ -9,7 +9,9 @@ prompts, whose pages prefix sharing then finds cached), then `--requests` greedy
 flight: a finished request is replaced by the next, as a client sends its next request when its answer comes. The
 variants take turns, the order reversed every other repeat; each repeat's tokens/s is paired with the first variant's
 of the same repeat. Variants: `plain-cb` (transformers' own), `jakiro-cb` (as shipped), `plain-steps` (Jakiro rounds
-whose controller always chooses a plain step; copy runs stay), `tree:T/D/K` (every round that tree).
+whose controller always chooses a plain step; copy runs stay), `tree:T/D/K` (every round that tree),
+`jakiro-cb-no-draft-pages` (as shipped, but a prompt whose pages are shared still has the draft read it whole: what
+`--cached` gains from the draft's entries kept by page).
 
 What this leaves out of `serve_concurrency.py`'s runs: HTTP, the API process and the engine process's IPC. Against
 those runs it separates what the rounds cost from what serving them costs. Not a test: nothing here runs in CI.
@@ -19,7 +21,9 @@ import argparse
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
@@ -29,6 +33,7 @@ from transformers_jakiro.bench.suites import load_suite
 from transformers_jakiro.continuous import JakiroBatchProcessor, JakiroContinuousBatchingManager
 from transformers_jakiro.continuous_support import jakiro_cb_config
 from transformers_jakiro.decoding.round_controller import PinnedController, RoundChoice
+from transformers_jakiro.shared_pages import SharedPageFeatures
 from transformers_jakiro.targets import load_target_or_explain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +44,9 @@ def parse_variant(name: str) -> RoundChoice | str:
     if name.startswith("tree:"):
         total, depth, top_k = (int(part) for part in name[5:].split("/"))
         return RoundChoice("tree", total, depth, top_k)
-    if name not in ("plain-cb", "jakiro-cb", "plain-steps"):
-        raise SystemExit(f"unknown variant {name!r}: plain-cb, jakiro-cb, plain-steps or tree:T/D/K")
+    if name not in ("plain-cb", "jakiro-cb", "plain-steps", "jakiro-cb-no-draft-pages"):
+        raise SystemExit(f"unknown variant {name!r}: plain-cb, jakiro-cb, plain-steps, jakiro-cb-no-draft-pages or "
+                         "tree:T/D/K")
     return name
 
 
@@ -116,8 +122,10 @@ def main() -> int:
             os.environ["JAKIRO_ROUND_COSTS"] = str(Path(args.out) / f"round-costs-{name.replace('/', '-')}.json")
             kind = variants[name]
             cb = jakiro_cb_config(num_blocks=512, block_size=32, max_batch_tokens=512)
-            with Pinned(RoundChoice("plain") if kind == "plain-steps" else kind if isinstance(kind, RoundChoice)
-                        else None):
+            unshared = (mock.patch.object(SharedPageFeatures, "draft_prefix", lambda *args: None)
+                        if kind == "jakiro-cb-no-draft-pages" else nullcontext())
+            with unshared, Pinned(RoundChoice("plain") if kind == "plain-steps" else
+                                  kind if isinstance(kind, RoundChoice) else None):
                 manager = (ContinuousBatchingManager(target, config, cb) if kind == "plain-cb"
                            else JakiroContinuousBatchingManager(target, draft, config, cb))
                 manager.start()

@@ -407,19 +407,42 @@ def test_trees_logits_come_from_the_forwards_own_output_layer_pass(pairs, monkey
 
 def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bool = False):
     """`prompts[0]` alone, then the others together, through one manager (4-token pages): each request's generated
-    tokens and stats, the features its draft row got for its prompt, and the prompt tokens whose prefill
-    transformers skipped (prefix sharing)."""
+    tokens and stats, the features its draft row got for its prompt, the prompt tokens whose prefill transformers
+    skipped (prefix sharing), and per request the prompt positions whose draft entries its row got from an earlier
+    prompt's (`preload`), the positions its draft's first read took and the draft's entries for its prompt after that
+    read."""
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     from transformers_jakiro.continuous import JakiroBatchProcessor, JakiroContinuousBatchingManager, jakiro_cb_config
+    from transformers_jakiro.shared_pages import SharedPageFeatures
 
     config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=-1, pad_token_id=0)
-    features, skipped = {}, []
-    observe, search = JakiroBatchProcessor._observe, PagedAttentionCache.search_prefix_match
+    features, skipped, preloaded, read, entries = {}, [], {}, {}, {}
+    prompt_features, search = SharedPageFeatures.prompt_features, PagedAttentionCache.search_prefix_match
+    draft_prefix, observe = SharedPageFeatures.draft_prefix, JakiroBatchProcessor._observe
+    keep_draft_reads, attach = SharedPageFeatures.keep_draft_reads, JakiroBatchProcessor.attach
+
+    def attach_keeping_first_reads(self, *args):  # without sharing too, to compare the entries
+        attach(self, *args)
+        self.drafter.keep_first_reads = True
+
+    def spy_draft_reads(self, cache, drafter, requests):
+        for row, kept in drafter.first_reads.items():
+            entries[requests[row]] = [(k.clone(), v.clone()) for k, v in kept]
+        return keep_draft_reads(self, cache, drafter, requests)
+
+    def spy_features(self, cache, state, chunks):
+        features[state.request_id] = prompt_features(self, cache, state, chunks)
+        return features[state.request_id]
+
+    def spy_prefix(self, cache, state):
+        entries = draft_prefix(self, cache, state)
+        preloaded[state.request_id] = 0 if entries is None else entries[0][0].shape[-2]
+        return entries
 
     def spy_observe(self, request, rows, next_tokens, tokens, lookup=None):
-        if request in self.rows:  # the first call for a draft row: its prompt's features
-            features.setdefault(request, rows.clone())
+        if request in self.rows:  # the first call for a draft row: its prompt's positions to read
+            read.setdefault(request, rows.shape[0])
         return observe(self, request, rows, next_tokens, tokens, lookup)
 
     def spy_search(self, request_id, prompt_ids):
@@ -431,7 +454,11 @@ def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bo
         TreeSettings.resolve(draft, adaptive=False))
     results, order = {}, []
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SharedPageFeatures, "prompt_features", spy_features)
+        patch.setattr(SharedPageFeatures, "draft_prefix", spy_prefix)
         patch.setattr(JakiroBatchProcessor, "_observe", spy_observe)
+        patch.setattr(SharedPageFeatures, "keep_draft_reads", spy_draft_reads)
+        patch.setattr(JakiroBatchProcessor, "attach", attach_keeping_first_reads)
         patch.setattr(PagedAttentionCache, "search_prefix_match", spy_search)
         manager.start()
         try:
@@ -444,19 +471,21 @@ def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bo
                     results[result.request_id] = result
                 if forget_features:
                     manager.batch_processor.shared_pages.by_hash.clear()
+                    manager.batch_processor.shared_pages.draft_by_hash.clear()
             stats = manager.batch_processor.finished_stats
         finally:
             manager.stop(block=True)
     return ([results[r].generated_tokens for r in order], [stats[r] for r in order], [features.get(r) for r in order],
-            skipped)
+            skipped, [(preloaded.get(r, 0), read.get(r)) for r in order], [entries.get(r) for r in order])
 
 
 @needs_allocators
 def test_prompts_sharing_pages_skip_their_prefill_and_still_draft(pairs):
     """Prefix sharing: prompts that start like an earlier one (three 4-token pages in common) reuse its pages; their
     draft rows get the kept features of the shared positions, equal to those their own prefill computes without
-    sharing, and they decode identical to `generate` alone. When the kept features are gone, a request decodes
-    without the draft, still identical."""
+    sharing, and the draft's entries of the first 11 positions, which the earlier prompt's read computed (the 12th
+    depends on the 13th token), so that their draft reads the rest of the prompt only; they decode identical to
+    `generate` alone. When the kept features are gone, a request decodes without the draft, still identical."""
     target, draft = pairs("llama")
     g = torch.Generator().manual_seed(8)
     prefix = torch.randint(3, VOCAB, (13,), generator=g).tolist()
@@ -464,17 +493,26 @@ def test_prompts_sharing_pages_skip_their_prefill_and_still_draft(pairs):
     config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=-1, pad_token_id=0)
     expected = [alone(target, prompt, config) for prompt in prompts]
 
-    tokens, stats, features, skipped = shared_prefix_run(target, draft, prompts, sharing=True)
+    tokens, stats, features, skipped, reads, entries = shared_prefix_run(target, draft, prompts, sharing=True)
     assert tokens == expected
     assert sorted(skipped)[-2:] == [12, 12]  # both later prompts skipped the three shared pages
+    assert reads == [(0, len(prompts[0]))] + [(11, len(prompt) - 11) for prompt in prompts[1:]]
     assert all(any(name.startswith("tree") for name in s.choices) for s in stats)
-    tokens_off, _, features_off, skipped_off = shared_prefix_run(target, draft, prompts, sharing=False)
+    tokens_off, stats_off, features_off, skipped_off, reads_off, entries_off = shared_prefix_run(
+        target, draft, prompts, sharing=False)
     assert tokens_off == expected and not any(skipped_off)
+    assert reads_off == [(0, len(prompt)) for prompt in prompts]
+    assert [s.accepted_lengths for s in stats] == [s.accepted_lengths for s in stats_off]  # the same trees
+    for shared, own, prompt in zip(entries, entries_off, prompts):  # the draft's entries as its own read computes them
+        assert shared is not None and shared[0][0].shape[-2] == own[0][0].shape[-2] == len(prompt)
+        for (k, v), (k_own, v_own) in zip(shared, own):
+            torch.testing.assert_close(k, k_own, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(v, v_own, rtol=1e-4, atol=1e-5)
     for shared, own, prompt in zip(features, features_off, prompts):
         assert shared.shape[0] == len(prompt)
         torch.testing.assert_close(shared, own, rtol=1e-4, atol=1e-5)
 
-    tokens, stats, features, _ = shared_prefix_run(target, draft, prompts, sharing=True, forget_features=True)
+    tokens, stats, features, _, _, _ = shared_prefix_run(target, draft, prompts, sharing=True, forget_features=True)
     assert tokens == expected
     assert features[1:] == [None, None] and all(set(s.choices[1:]) == {"plain"} for s in stats[1:])
 

@@ -468,3 +468,67 @@ def test_a_joined_rows_prompt_is_read_in_a_forward_of_its_own():
         torch.testing.assert_close(tree.scores, reference.scores, rtol=1e-4, atol=1e-5)
     assert drafter.present == padded.present == [len(text) + 2, len(text) + 2, len(text) - 4]
     assert not any(tree.scores.requires_grad for tree in trees)  # drafting records no autograd graph
+
+
+def test_a_joined_row_with_preloaded_entries_reads_only_the_rest_of_its_prompt():
+    """A row joining with the draft's entries of its prompt's first positions (`preload`, from another row's
+    `first_reads`: continuous batching's shared prompt pages) reads the rest of its prompt only, and drafts the tree
+    and keeps the entries that reading the whole prompt gives: beside a decoding row, and as the only row of a new
+    batch (its entries then are the cache's first)."""
+    from transformers_jakiro.decoding.batch_drafter import BatchDrafter
+    from transformers_jakiro.decoding.round_controller import RoundChoice
+
+    torch.manual_seed(1)
+    draft = JakiroDraftModel.from_target(cycle_target(CYCLE))
+    settings = TreeSettings.resolve(draft, total_tokens=4, depth=2, top_k=2, lookup_tokens=0)
+    width, text = draft.config.hidden_size, CYCLE * 3
+    features, next_tokens = torch.randn(len(text), width), torch.tensor(text[1:] + text[:1])
+    choice = RoundChoice("tree", 4, 2, 2)
+
+    first = BatchDrafter(draft, settings, batch=1)
+    first.keep_first_reads = True
+    first.observe(0, features, next_tokens, text)
+    first.propose(torch.tensor([text[-1]]), choice)
+    entries = first.first_reads[0]
+    assert [tuple(k.shape) for k, _ in entries] == [(k.shape[0], len(text), k.shape[-1]) for k, _ in entries]
+    m = 9
+
+    def joined(preload: bool, beside: bool):
+        drafter = BatchDrafter(draft, settings, batch=1 if beside else 0)
+        drafter.keep_first_reads = True
+        if beside:
+            drafter.observe(0, features, next_tokens, text)
+            drafter.propose(torch.tensor([text[-1]]), choice)
+            drafter.observe(0, torch.randn(2, width, generator=torch.Generator().manual_seed(2)),
+                            torch.tensor(text[:2]), text[:2])
+        drafter.add_rows(1)
+        row, start = drafter.batch - 1, m if preload else 0
+        if preload:
+            drafter.preload(row, [(k[:, :m], v[:, :m]) for k, v in entries])
+        drafter.observe(row, features[start:], next_tokens[start:], text)
+        shapes = []
+        hook = draft.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(
+            tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        try:
+            roots = torch.tensor([text[1]] * beside + [text[-1]])
+            trees, _ = drafter.propose(roots, choice)
+        finally:
+            hook.remove()
+        return trees, shapes[:-1], drafter
+
+    for beside in (True, False):
+        trees, shapes, drafter = joined(preload=True, beside=beside)
+        reference_trees, reference_shapes, reference = joined(preload=False, beside=beside)
+        assert shapes[0] == (1, len(text) - m) and reference_shapes[0] == (1, len(text))
+        for tree, expected in zip(trees, reference_trees):
+            assert tree.tokens.tolist() == expected.tokens.tolist()
+            assert tree.parents.tolist() == expected.parents.tolist()
+            torch.testing.assert_close(tree.scores, expected.scores, rtol=1e-4, atol=1e-5)
+        assert drafter.present == reference.present
+        row = drafter.batch - 1
+        for (k, v), (k_ref, v_ref) in zip(drafter.first_reads[row], reference.first_reads[row]):
+            torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-5)
+        assert drafter.key_mask.sum(1).tolist() == reference.key_mask.sum(1).tolist()
+        with pytest.raises(ValueError, match="preload a row right after add_rows"):
+            drafter.preload(row, entries)

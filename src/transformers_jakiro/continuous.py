@@ -91,7 +91,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.rows: list[str] = []  # the drafter's rows: the requests that decode
         self.trees = {}  # request id -> (the tree it brings to the next forward, the round's name)
         self.prefill_features: dict[str, list[torch.Tensor]] = {}  # chunks of a prompt whose prefill is split
-        self.shared_pages = SharedPageFeatures()  # features of prompt pages that later prompts may share
+        self.shared_pages = SharedPageFeatures()  # features and draft entries of prompt pages later prompts may share
+        self.drafter.keep_first_reads = self.cache.use_prefix_sharing  # the draft's entries of prompts it reads
         self.request_stats: dict[str, JakiroGenerationStats] = {}  # per request: its rounds, as `generate`'s stats
         self.finished_stats: dict[str, JakiroGenerationStats] = {}
         self._logits = self._features = None
@@ -234,11 +235,12 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 features = self.shared_pages.prompt_features(self.cache, state, chunks)
                 tokens, name = [token], "prefill"
                 self.shared_pages.share(self.cache, state, features)
-                if features is not None:
+                if features is not None:  # a draft row; with prefix sharing, the draft's entries kept for its pages
                     self.drafter.add_rows(1)
                     self.rows.append(request)
+                    start = self.shared_pages.preload_draft(self.cache, state, self.drafter, len(self.rows) - 1)
                     context = list(state.initial_tokens) + tokens
-                    self._observe(request, features, context[1:], context)
+                    self._observe(request, features[start:], context[1 + start :], context)
                 self.request_stats.setdefault(request, JakiroGenerationStats())
                 if request in self.pending_stops:
                     self.stop_criteria[request] = self.pending_stops.pop(request)
@@ -312,7 +314,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         """Drop the draft state of requests that left without finishing here (cancelled, failed); requests that
         wait (offloaded under cache pressure, to be restored with their tokens) keep theirs."""
         alive = self._alive()
-        for table in (self.trees, self.prefill_features, self.request_stats, self.copy_streak, self.stop_criteria):
+        for table in (self.trees, self.prefill_features, self.request_stats, self.copy_streak, self.stop_criteria,
+                      self.shared_pages.unread):
             for request in [request for request in table if request not in alive]:
                 del table[request]
         self._keep_rows(alive)
@@ -437,6 +440,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                              device=self.draft.fc.weight.device)
         trees, _ = self.drafter.propose(roots, choice)
         self._catch_up_s = self.drafter.catch_up_s
+        self.shared_pages.keep_draft_reads(self.cache, self.drafter, self.rows)
         for request, tree in zip(self.rows, trees):
             state = active.get(request)
             if request not in decoding or tree.num_nodes == 1 or (copying is not None and request not in copying):

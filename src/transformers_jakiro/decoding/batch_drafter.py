@@ -9,6 +9,8 @@ by row). What differs is the draft's KV cache, shared by the rows, whose rows ac
   * A read appends the accepted positions of every row (right-padded to the longest, the padding being holes), in
     one forward. The prompt is the first read: left padding never enters the draft's cache. Rows that join later (a
     continuous batch) read their prompts in a forward of their own, appended as columns that are holes elsewhere.
+    A joining row may bring the draft's entries of its prompt's first positions (`preload`: another row computed
+    them for the same tokens); it then reads the rest of its prompt only.
   * A tree level is one forward over `k` nodes of every row, [rows, k] queries; the tree's entries are dropped after
     the last level, as for one row.
 
@@ -55,6 +57,12 @@ class BatchDrafter:
         self._ready_chains = None
         self.copied = [False] * batch  # per row: its last round's tokens continued the chain ready at its start
         self.catch_up_s = 0.0  # this round's read time spent on positions earlier rounds left (`drafting`'s)
+        self.fresh = [True] * batch  # per row: nothing read yet (its first read is its prompt)
+        self.preloaded: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * batch  # (`preload`)
+        # With `keep_first_reads`, each read sets `first_reads`: the draft's entries of the rows whose prompt it read,
+        # by row, per layer keys and values [heads, positions, head_dim] from position 0 (what `preload` takes).
+        self.keep_first_reads = False
+        self.first_reads: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @property
     def batch(self) -> int:
@@ -124,12 +132,13 @@ class BatchDrafter:
     def snapshot(self):
         """The state `restore` returns to (benchmarks replaying one round)."""
         return (self.cache.get_seq_length(), self.key_mask, list(self.present), [list(q) for q in self.queued],
-                list(self.lookup_length))
+                list(self.lookup_length), list(self.fresh), list(self.preloaded))
 
     def restore(self, state) -> None:
-        length, self.key_mask, present, queued, lookup_length = state
+        length, self.key_mask, present, queued, lookup_length, fresh, preloaded = state
         truncate(self.cache, length)
         self.present, self.queued, self.lookup_length = list(present), [list(q) for q in queued], list(lookup_length)
+        self.fresh, self.preloaded = list(fresh), list(preloaded)
 
     def select(self, rows: list[int], index: torch.LongTensor | None = None) -> None:
         """Keep these rows (indices into the current batch), in this order (`index`: the same on the device, when the
@@ -138,7 +147,7 @@ class BatchDrafter:
         index = torch.tensor(rows, dtype=torch.long, device=device) if index is None else index.to(device)
         select_rows(self.cache, index)
         self.key_mask = drop_hole_columns(self.cache, self.key_mask[index])  # and columns that are holes in every row
-        for name in ("present", "queued", "lookup", "lookup_length", "copied"):
+        for name in ("present", "queued", "lookup", "lookup_length", "copied", "fresh", "preloaded"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in rows])
         if self._ready_chains is not None:
@@ -157,8 +166,21 @@ class BatchDrafter:
         self.lookup += [NgramIndex(self.settings.lookup_max_ngram) if lookup else None for _ in range(count)]
         self.lookup_length += [self.settings.lookup_tokens] * count
         self.copied += [False] * count
+        self.fresh += [True] * count
+        self.preloaded += [None] * count
         if self._ready_chains is not None:
             self._ready_chains += [[] for _ in range(count)]
+
+    def preload(self, row: int, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The draft's cache entries of a joining row's first positions [0, m), per layer keys and values [heads, m,
+        head_dim], from a row that read the same tokens with the same features before (`first_reads`; continuous
+        batching keeps them by shared prompt page). The row's first read starts at position m and sees them: queue
+        its positions from m on. An entry depends only on its own position's input (the draft has one layer), so the
+        row computes what it would compute reading its whole prompt."""
+        if not self.fresh[row] or self.queued[row] or self.preloaded[row] is not None:
+            raise ValueError(f"Row {row} has queued or read positions already; preload a row right after add_rows.")
+        self.preloaded[row] = entries
+        self.present[row] = entries[0][0].shape[-2]
 
     def _mask(self, visible_new: torch.BoolTensor) -> torch.BoolTensor:
         """[rows, 1, q, cached + new] bool: each query sees its row's present cached entries and `visible_new`
@@ -173,10 +195,14 @@ class BatchDrafter:
         joined a continuous batch: their prompts) are read in a forward of their own when other rows read too: one
         forward pads every row to the longest queue, so a joined 150-token prompt beside 2-position rows cost what 8
         such prompts do (CB-12). Its time counts as this round's drafting, as the padded read's did."""
-        first = [row for row, queue in enumerate(self.queued) if queue and self.present[row] == 0]
-        if not first or not any(queue for row, queue in enumerate(self.queued) if row not in first):
+        self.first_reads = {}
+        first = [row for row, queue in enumerate(self.queued) if queue and self.fresh[row]]
+        others = any(queue for row, queue in enumerate(self.queued) if row not in first)
+        if not others and any(self.preloaded[row] is not None for row in first):
+            return self._read_rows(first, alone=True)  # every row is new: `first` is every row (`trees`)
+        if not first or not others:
             return self._read_rows(None)
-        left_first, right_first = self._read_rows(first)
+        left_first, right_first = self._read_rows(first, alone=True)
         left, right = self._read_rows(None)
         index = torch.tensor(first, device=left.device)
         left = left.index_copy(0, index, left_first)
@@ -184,14 +210,14 @@ class BatchDrafter:
             right = right.index_copy(0, index, right_first)
         return left, right
 
-    def _read_rows(self, rows: list[int] | None):
+    def _read_rows(self, rows: list[int] | None, alone: bool = False):
         """One forward over the queued positions of `rows` (None: every row), each row's at its own length, appended
-        to the cache as new columns (holes in the other rows). Sets `stable` for the rows read and, when every row
-        reads, `catch_up_s`. Returns the left and right outputs at each read row's last position."""
+        to the cache as new columns (holes in the other rows). `alone`: rows that have read nothing, in a cache of
+        their own that holds only their preloaded entries (`preload`). When every row reads, sets `stable` and
+        `catch_up_s`. Returns the left and right outputs at each read row's last position."""
         draft, device = self.draft, self.draft.fc.weight.device
         tic = time.perf_counter()
         rows = list(range(self.batch)) if rows is None else rows
-        alone = len(rows) < self.batch  # rows that have read nothing: no cached entry to see, a cache of their own
         queued = [self.queued[row] for row in rows]
         features = [torch.cat([f for f, _ in queue]) if queue else None for queue in queued]
         tokens = [torch.cat([t for _, t in queue]) if queue else None for queue in queued]
@@ -199,7 +225,7 @@ class BatchDrafter:
         longest = max(lengths)
         present = [self.present[row] for row in rows]
         newest = 1  # the first read: the prompts; later, the rows the last round accepted
-        if any(present):
+        if not alone and any(present):
             newest = max((queue[-1][0].shape[0] for queue in queued if queue), default=longest)
         some = next(f for f in features if f is not None)
         padded_features = some.new_zeros(len(rows), longest, some.shape[-1])
@@ -215,24 +241,32 @@ class BatchDrafter:
         causal = steps[None, :, None] >= steps[None, None, :]  # query j sees new entries <= j
         visible = causal & valid[:, None, :]
         positions = present_t[:, None] + steps[None, :]
-        cache = DynamicCache() if alone else self.cache
-        mask = visible[:, None] if alone else self._mask(visible)
+        if alone:
+            cache, preloaded = self._preloaded_cache(rows)  # preloaded: [rows, m] present entries, m >= 0
+            mask = torch.cat([preloaded[:, None, :].expand(-1, longest, -1), visible], dim=2)[:, None]
+        else:
+            cache, mask = self.cache, self._mask(visible)
+        start = cache.get_seq_length()  # where this read's entries go
         out = draft(
             input_ids=padded_tokens.to(device), hidden_states=padded_features, position_ids=positions,
             attention_mask=mask, cache=cache,
         )
+        if self.keep_first_reads:
+            self._keep_first_reads(cache, rows, lengths, start)
         if alone:
             index = torch.tensor(rows, device=device)
             append_columns(self.cache, cache, index, self.batch)
-            columns = torch.zeros(self.batch, longest, dtype=torch.bool, device=device)
-            self.key_mask = torch.cat([self.key_mask, columns.index_copy(0, index, valid)], dim=1)
+            columns = torch.zeros(self.batch, start + longest, dtype=torch.bool, device=device)
+            self.key_mask = torch.cat([self.key_mask, columns.index_copy(0, index, torch.cat([preloaded, valid], 1))],
+                                      dim=1)
         else:
             self.key_mask = torch.cat([self.key_mask, valid], dim=1)
+        if len(rows) == self.batch:
             self.stable = present_t + lengths_t  # the same on the device: each row's root was read at stable - 1
             self.catch_up_s = (time.perf_counter() - tic) * (1.0 - newest / longest)  # as the one-row drafter's
         for row, length in zip(rows, lengths):
             self.present[row] += length
-            self.queued[row] = []
+            self.queued[row], self.fresh[row], self.preloaded[row] = [], False, None
         last = (lengths_t - 1).clamp(min=0)[:, None, None]  # a row with nothing queued: its output is replaced
         left = out.last_hidden_state.gather(1, last.expand(-1, 1, out.last_hidden_state.shape[-1]))[:, 0]
         right = out.contrastive_hidden_state
@@ -241,6 +275,39 @@ class BatchDrafter:
         else:
             right = None
         return left, right
+
+    def _preloaded_cache(self, rows: list[int]) -> tuple[DynamicCache, torch.BoolTensor]:
+        """A cache for the first read of `rows` holding their preloaded entries (`preload`), each row's from column 0
+        and padded to the longest, and which of its entries are present ([rows, longest preloaded])."""
+        device = self.key_mask.device
+        entries = [self.preloaded[row] for row in rows]
+        counts = [0 if e is None else e[0][0].shape[-2] for e in entries]
+        cache = DynamicCache()
+        if max(counts) > 0:
+            some = next(e for e in entries if e is not None)
+            for layer, (keys, values) in enumerate(some):
+                padded_keys = keys.new_zeros(len(rows), keys.shape[0], max(counts), keys.shape[-1])
+                padded_values = values.new_zeros(len(rows), values.shape[0], max(counts), values.shape[-1])
+                for i, e in enumerate(entries):
+                    if e is not None:
+                        padded_keys[i, :, : counts[i]] = e[layer][0]
+                        padded_values[i, :, : counts[i]] = e[layer][1]
+                cache.update(padded_keys.to(device), padded_values.to(device), layer)
+        present = torch.arange(max(counts), device=device)[None, :] < torch.tensor(counts, device=device)[:, None]
+        return cache, present
+
+    def _keep_first_reads(self, cache, rows: list[int], lengths: list[int], start: int) -> None:
+        """`first_reads` of the rows this read took from the start (fresh), from `cache` after the read: a row's
+        preloaded entries (columns [0, its count)) then its new ones (columns [start, start + its length))."""
+        for i, (row, length) in enumerate(zip(rows, lengths)):
+            if not self.fresh[row]:
+                continue
+            count = self.present[row]  # its preloaded entries (the read has not advanced `present` yet)
+            self.first_reads[row] = [
+                (torch.cat([layer.keys[i, :, :count], layer.keys[i, :, start : start + length]], dim=-2),
+                 torch.cat([layer.values[i, :, :count], layer.values[i, :, start : start + length]], dim=-2))
+                for layer in cache.layers
+            ]
 
     @torch.no_grad()
     def trees(self, roots: torch.LongTensor, total_tokens: int, depth: int, top_k: int, chains=None) -> list[DraftTree]:

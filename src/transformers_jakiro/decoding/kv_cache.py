@@ -151,11 +151,17 @@ def append_empty_rows(cache, count: int) -> None:
 
 def append_columns(cache, new, rows: torch.LongTensor, batch: int) -> None:
     """Append the entries of DynamicCache `new` (written by a forward over only `rows` of a batch of `batch` rows,
-    from an empty cache) to `cache` as new positions of every row: `rows` get theirs, the others holes (zeros)."""
-    for layer, written in zip(_dynamic_layers(cache), _dynamic_layers(new)):
-        index = rows.to(layer.keys.device)
+    from an empty cache) to `cache` as new positions of every row: `rows` get theirs, the others holes (zeros). A
+    `cache` that holds nothing yet (no layer written) gets them as its first entries."""
+    layers = _dynamic_layers(cache)
+    for i, written in enumerate(_dynamic_layers(new)):
+        index = rows.to(written.keys.device)
         keys = written.keys.new_zeros(batch, *written.keys.shape[1:]).index_copy(0, index, written.keys)
         values = written.values.new_zeros(batch, *written.values.shape[1:]).index_copy(0, index, written.values)
+        if not layers:
+            cache.update(keys, values, i)
+            continue
+        layer = layers[i]
         layer.keys, layer.values = torch.cat([layer.keys, keys], dim=-2), torch.cat([layer.values, values], dim=-2)
 
 
