@@ -121,7 +121,7 @@ def main() -> int:
         for name in list(variants) if repeat % 2 == 0 else list(variants)[::-1]:
             os.environ["JAKIRO_ROUND_COSTS"] = str(Path(args.out) / f"round-costs-{name.replace('/', '-')}.json")
             kind = variants[name]
-            cb = jakiro_cb_config(num_blocks=512, block_size=32, max_batch_tokens=512)
+            cb = jakiro_cb_config(num_blocks=512, page_size=32, max_batch_tokens=512)
             unshared = (mock.patch.object(SharedPageFeatures, "draft_prefix", lambda *args: None)
                         if kind == "jakiro-cb-no-draft-pages" else nullcontext())
             with unshared, Pinned(RoundChoice("plain") if kind == "plain-steps" else
