@@ -11,8 +11,7 @@ variants take turns, the order reversed every other repeat; each repeat's tokens
 of the same repeat. Variants: `plain-cb` (transformers' own), `jakiro-cb` (as shipped), `plain-steps` (Jakiro rounds
 whose controller always chooses a plain step; copy runs stay), `tree:T/D/K` (every round that tree),
 `jakiro-cb-no-draft-pages` (as shipped, but a prompt whose pages are shared still has the draft read it whole: what
-`--cached` gains from the draft's entries kept by page), `jakiro-cb-no-row-padding` (as shipped, but the output layer
-computes exactly the rows kept, never a few duplicates more where that count costs less: `output_rows.OutputRows`).
+`--cached` gains from the draft's entries kept by page).
 
 What this leaves out of `serve_concurrency.py`'s runs: HTTP, the API process and the engine process's IPC. Against
 those runs it separates what the rounds cost from what serving them costs. Not a test: nothing here runs in CI.
@@ -34,18 +33,10 @@ from transformers_jakiro.bench.suites import load_suite
 from transformers_jakiro.continuous import JakiroBatchProcessor, JakiroContinuousBatchingManager
 from transformers_jakiro.continuous_support import jakiro_cb_config
 from transformers_jakiro.decoding.round_controller import PinnedController, RoundChoice
-from transformers_jakiro.output_rows import OutputRows
 from transformers_jakiro.shared_pages import SharedPageFeatures
 from transformers_jakiro.targets import load_target_or_explain
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# Jakiro CB with one of its parts left out: the method patched, and what it does instead
-ABLATIONS = {
-    "jakiro-cb-no-draft-pages": (SharedPageFeatures, "draft_prefix", lambda *args: None),
-    "jakiro-cb-no-row-padding": (OutputRows, "rows_for", lambda self, rows: rows),
-}
 
 
 def parse_variant(name: str) -> RoundChoice | str:
@@ -53,8 +44,8 @@ def parse_variant(name: str) -> RoundChoice | str:
     if name.startswith("tree:"):
         total, depth, top_k = (int(part) for part in name[5:].split("/"))
         return RoundChoice("tree", total, depth, top_k)
-    if name not in ("plain-cb", "jakiro-cb", "plain-steps", *ABLATIONS):
-        raise SystemExit(f"unknown variant {name!r}: plain-cb, jakiro-cb, plain-steps, {', '.join(ABLATIONS)} or "
+    if name not in ("plain-cb", "jakiro-cb", "plain-steps", "jakiro-cb-no-draft-pages"):
+        raise SystemExit(f"unknown variant {name!r}: plain-cb, jakiro-cb, plain-steps, jakiro-cb-no-draft-pages or "
                          "tree:T/D/K")
     return name
 
@@ -131,8 +122,9 @@ def main() -> int:
             os.environ["JAKIRO_ROUND_COSTS"] = str(Path(args.out) / f"round-costs-{name.replace('/', '-')}.json")
             kind = variants[name]
             cb = jakiro_cb_config(num_blocks=512, page_size=32, max_batch_tokens=512)
-            ablation = mock.patch.object(*ABLATIONS[kind]) if kind in ABLATIONS else nullcontext()
-            with ablation, Pinned(RoundChoice("plain") if kind == "plain-steps" else
+            unshared = (mock.patch.object(SharedPageFeatures, "draft_prefix", lambda *args: None)
+                        if kind == "jakiro-cb-no-draft-pages" else nullcontext())
+            with unshared, Pinned(RoundChoice("plain") if kind == "plain-steps" else
                                   kind if isinstance(kind, RoundChoice) else None):
                 manager = (ContinuousBatchingManager(target, config, cb) if kind == "plain-cb"
                            else JakiroContinuousBatchingManager(target, draft, config, cb))

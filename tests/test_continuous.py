@@ -405,32 +405,6 @@ def test_trees_logits_come_from_the_forwards_own_output_layer_pass(pairs, monkey
     assert [r.generated_tokens for r in results.values()] == [alone(target, p, greedy) for p in prompts]
 
 
-@needs_allocators
-def test_duplicate_output_rows_leave_every_request_exact(pairs, monkeypatch):
-    """On a CPU a forward may keep a few duplicate rows of the output layer where that count costs less
-    (`output_rows.OutputRows`): with three duplicates after every forward's rows but the first, the trees' logits and
-    the rows transformers samples from are still each request's own, and the outputs exact."""
-    from transformers_jakiro.continuous import jakiro_cb_config, jakiro_generate_batch
-    from transformers_jakiro.output_rows import OutputRows
-
-    monkeypatch.setattr(OutputRows, "rows_for", lambda self, n: n + 3)
-    target, draft = pairs("llama")
-    kept = []
-    hook = target.register_forward_pre_hook(lambda module, args, kwargs: kept.append(
-        (kwargs["logits_to_keep"].tolist(), kwargs["input_ids"].shape[-1])), with_kwargs=True)
-    greedy = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
-    prompts = prompts_of(35, 3)
-    try:
-        results = jakiro_generate_batch(target, draft, prompts, greedy, jakiro_cb_config(
-            page_size=4, num_blocks=256, max_batch_tokens=64), TreeSettings.resolve(draft, adaptive=False))
-    finally:
-        hook.remove()
-    assert sum(name.startswith("tree") for r in results.values() for name in r.jakiro_stats.choices) > 10
-    assert [r.generated_tokens for r in results.values()] == [alone(target, p, greedy) for p in prompts]
-    assert len(kept[0][0]) == 3  # the first forward (the head's check): one row per request
-    assert all(rows[-4:] == [rows[-4]] * 4 for rows, _ in kept[1:])  # then three duplicates of the last row
-
-
 def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bool = False):
     """`prompts[0]` alone, then the others together, through one manager (4-token pages): each request's generated
     tokens and stats, the features its draft row got for its prompt, the prompt tokens whose prefill transformers

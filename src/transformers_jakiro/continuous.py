@@ -58,7 +58,6 @@ from .decoding.round_controller import (
     save_costs,
 )
 from .features import TargetFeatures
-from .output_rows import ExtraLogitRows, OutputRows
 from .paged_kv import move_slots
 from .shared_pages import SharedPageFeatures
 from .stats import JakiroGenerationStats
@@ -77,7 +76,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.target, self.draft, self.settings = target, draft, settings
         self.feature_layers = draft.config.target_feature_layers
         # The trees' logits: the forward keeps them with the row per request that transformers samples from, in the
-        # same pass of the output layer (`ExtraLogitRows`; on a CPU each pass reads the whole layer: 14 ms for
+        # same pass of the output layer (`_ExtraLogitRows`; on a CPU each pass reads the whole layer: 14 ms for
         # Qwen2.5-Coder-1.5B's in bf16 on a 2-core EPYC, CB-9). The output layer alone gives a lazy leaf's logits where
         # it reproduces the target's; where it does not (a model that scales or caps logits after it) the forward keeps
         # every row's.
@@ -87,9 +86,6 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         # internal nodes only, and at the one leaf where an accepted path ends (as `row_rounds.lazy_leaf_head`), when
         # the forward holds one tree (`_lazy_tree`).
         self.lazy_leaves = target.get_input_embeddings().weight.device.type == "cpu"
-        # On a CPU the output layer's cost moves with its row count unevenly: a few duplicate rows where fewer cost more
-        self.output_rows = OutputRows(self.head) if self.lazy_leaves and self.head is not None else None
-        self._timing_mark = 0.0  # `output_rows.timing_s` when the round started
         self._internal = {}  # this step's trees' internal nodes per request (lazy leaves)
         self.drafter = BatchDrafter(draft, settings, 0)
         self.rows: list[str] = []  # the drafter's rows: the requests that decode
@@ -200,8 +196,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         """transformers' step, keeping the logits its forward computes, the trees' among them (`_tree_rows_to_keep`),
         and the draft's features (hooks)."""
         rows = self._tree_rows_to_keep()
-        output_rows = self.output_rows if self.head_checked and self.head is not None else None
-        called = model if rows is None and output_rows is None else ExtraLogitRows(model, rows, output_rows)
+        called = model if rows is None else _ExtraLogitRows(model, rows)
         with TargetFeatures(model, self.feature_layers) as hidden:
             if hidden.decoder is None:
                 raise ValueError("Jakiro continuous batching needs a target with a decoder module to hook.")
@@ -419,7 +414,6 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         lookup chain (a copy run)."""
         self._chosen = None
         self._round_started = time.perf_counter()  # the round's drafting counts in its cost
-        self._timing_mark = self.output_rows.timing_s if self.output_rows is not None else 0.0
         self._catch_up_s = 0.0  # of which reading positions that earlier rounds left to the draft
         if not states or not self.rows:  # nothing decodes, or only requests without a draft row
             return
@@ -486,8 +480,6 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         # and lookup rounds left goes to those rounds' cost (else a tree after a plain spell pays for the spell, looks
         # dear, and plain steps lock in).
         seconds = time.perf_counter() - self._round_started - self._catch_up_s
-        if self.output_rows is not None:  # timing a row count of the output layer is no part of the round
-            seconds -= self.output_rows.timing_s - self._timing_mark
         controller.record(choice, sum(counts.values()) / len(counts), seconds, sum(chains.values()) / len(counts),
                           self._catch_up_s)
 
@@ -501,6 +493,29 @@ def _stops(criteria: StopStringCriteria, state) -> bool:
     if len(ids) < n:  # the prompt's last tokens too
         ids = [*state.initial_tokens[len(ids) - n :], *ids]
     return bool(criteria(torch.tensor([ids]), None)[0])
+
+
+class _ExtraLogitRows:
+    """The target as transformers' model runner calls it, with `rows` appended to the rows whose logits the forward
+    keeps (`logits_to_keep`, transformers' one row per request): one pass of the output layer for both, rather than a
+    second product over the trees' rows. The runner gets its own rows back; `extra` holds the others, in order."""
+
+    def __init__(self, model, rows: torch.Tensor):
+        self.model, self.rows, self.extra = model, rows, None
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, **kwargs):
+        keep = kwargs.get("logits_to_keep")
+        if not isinstance(keep, torch.Tensor):  # only called where the runner keeps rows (`_check_head` saw it do so)
+            raise RuntimeError("Jakiro continuous batching expected transformers' model runner to pass the rows to "
+                               "keep logits at as `logits_to_keep` indices; this transformers version does not.")
+        rows = self.rows.to(device=keep.device, dtype=keep.dtype)
+        output = self.model(**{**kwargs, "logits_to_keep": torch.cat([keep, rows])})
+        self.extra = output.logits[:, keep.numel() :]
+        output.logits = output.logits[:, : keep.numel()]
+        return output
 
 
 class JakiroContinuousBatchingManager(ContinuousBatchingManager):
