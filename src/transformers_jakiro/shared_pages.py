@@ -61,7 +61,8 @@ class SharedPageFeatures:
                 page_hash = allocator.ledger.block_to_hash.get(page)
                 if features is not None and page_hash is not None and page_hash not in self.by_hash:
                     self.by_hash[page_hash] = features[i * size : (i + 1) * size].clone()
-        if max(len(self.by_hash), len(self.draft_by_hash)) > 2 * sum(len(a.ledger.hash_to_block) for a in cache.cache_allocators.values()) + 64:
+        hashed = sum(len(allocator.ledger.hash_to_block) for allocator in cache.cache_allocators.values())
+        if max(len(self.by_hash), len(self.draft_by_hash)) > 2 * hashed + 64:
             self.prune(cache)
 
     def prompt_pages(self, cache, state) -> list[int]:
