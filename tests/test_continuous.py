@@ -384,10 +384,17 @@ class CountingHead:
 def test_trees_logits_come_from_the_forwards_own_output_layer_pass(pairs, monkeypatch):
     """The trees' node logits are kept by the forward, in the one pass of the output layer that also gives transformers
     the row per request it samples from: no second product over the trees' rows (on a CPU each pass reads the whole
-    layer). Every node's logits from the forward here (an accelerator's way), three requests, outputs exact."""
+    layer), and no row twice (a tree's last node is transformers' row of its request). Every node's logits from the
+    forward here (an accelerator's way), three requests, outputs exact."""
+    from transformers_jakiro import continuous
     from transformers_jakiro.continuous import JakiroBatchProcessor, jakiro_cb_config, jakiro_generate_batch
 
-    attach, products = JakiroBatchProcessor.attach, []
+    attach, products, call, repeated = JakiroBatchProcessor.attach, [], continuous._ExtraLogitRows.__call__, []
+
+    def call_checking(self, **kwargs):  # the trees' rows never include a request's last query row (transformers')
+        last_rows = set((kwargs["cu_seq_lens_q"][1:] - 1).tolist())
+        repeated.append(bool(last_rows & set(self.rows.tolist())))
+        return call(self, **kwargs)
 
     def attach_counting(self, *args):
         attach(self, *args)
@@ -395,12 +402,14 @@ def test_trees_logits_come_from_the_forwards_own_output_layer_pass(pairs, monkey
         self.head = CountingHead(self.head, products)  # the processor's own products of the output layer
 
     monkeypatch.setattr(JakiroBatchProcessor, "attach", attach_counting)
+    monkeypatch.setattr(continuous._ExtraLogitRows, "__call__", call_checking)
     target, draft = pairs("llama")
     greedy = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
     prompts = prompts_of(34, 3)
     results = jakiro_generate_batch(target, draft, prompts, greedy, jakiro_cb_config(
         page_size=4, num_blocks=256, max_batch_tokens=64), TreeSettings.resolve(draft, adaptive=False))
     assert sum(name.startswith("tree") for r in results.values() for name in r.jakiro_stats.choices) > 10
+    assert len(repeated) > 10 and not any(repeated)
     assert len(products) == 1  # the first forward's check that the output layer alone reproduces its logits
     assert [r.generated_tokens for r in results.values()] == [alone(target, p, greedy) for p in prompts]
 

@@ -150,26 +150,29 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             self.head = None
             self.model_runner._model_supports_logits_to_keep = False
 
-    def _tree_rows_to_keep(self) -> torch.Tensor | None:
-        """The query rows whose logits this forward keeps for the trees besides transformers' own: every tree node's,
-        or of a lone tree on a CPU its internal nodes' (`_lazy_tree`); None when there is no tree or the forward keeps
-        every row anyway. `_node_logits` hands out each request's."""
+    def _tree_rows_to_keep(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows this forward keeps for the trees besides transformers' own (a request's last query row, a tree's
+        last node): a tree's other nodes, a lone tree's on a CPU its internal ones (`_lazy_tree`); and the trees' last
+        nodes' places among transformers' rows. None without trees or where every row is kept (`_node_logits`)."""
         self._tree_rows, self._internal = {}, {}
         if self.head is None:
             return None
         batch, starts = self.inputs_and_outputs.requests_in_batch, self._starts
         lazy = self._lazy_tree([future.state.request_id for future in batch])
-        rows, at = [], 0
+        rows, last, at, kept = [], [], 0, 0
         for i, future in enumerate(batch):
             request = future.state.request_id
             if request in self.trees:
-                nodes = torch.arange(starts[i + 1] - starts[i])
                 if request == lazy:
                     nodes = self._internal[request] = self.trees[request][0].internal_nodes().cpu()
+                else:  # the last node's logits: transformers' row of this request
+                    nodes = torch.arange(starts[i + 1] - starts[i] - 1)
+                    last.append(kept)
                 rows.append(starts[i] + nodes)
-                self._tree_rows[starts[i]] = at
+                self._tree_rows[starts[i]] = (at, len(last) - 1)
                 at += nodes.numel()
-        return torch.cat(rows) if rows else None
+            kept += future.has_new_token
+        return (torch.cat(rows), torch.tensor(last, dtype=torch.long)) if rows else None
 
     def _lazy_tree(self, requests: list[str]) -> str | None:
         """The request whose leaves get their logits lazily in this forward, if any: on a CPU, the one request that
@@ -187,16 +190,17 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         internal nodes only (`self._internal[request]`)."""
         if self.head is None:
             return self._logits[0, rows].float()
-        at = self._tree_rows[rows.start]
-        count = self._internal[request].numel() if request in self._internal else rows.stop - rows.start
-        return self._tree_logits[at : at + count]
+        at, last = self._tree_rows[rows.start]
+        if request in self._internal:
+            return self._tree_logits[at : at + self._internal[request].numel()]
+        return torch.cat([self._tree_logits[at : at + rows.stop - rows.start - 1], self._last_logits[last : last + 1]])
 
     @torch.no_grad()
     def _generation_step(self, model) -> None:
         """transformers' step, keeping the logits its forward computes, the trees' among them (`_tree_rows_to_keep`),
         and the draft's features (hooks)."""
         rows = self._tree_rows_to_keep()
-        called = model if rows is None else _ExtraLogitRows(model, rows)
+        called = model if rows is None else _ExtraLogitRows(model, *rows)
         with TargetFeatures(model, self.feature_layers) as hidden:
             if hidden.decoder is None:
                 raise ValueError("Jakiro continuous batching needs a target with a decoder module to hook.")
@@ -207,7 +211,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 handle.remove()
             self._features = hidden.take(None)[0]  # [queries, width]
         if rows is not None:
-            self._tree_logits = called.extra[0].float()
+            self._tree_logits, self._last_logits = called.extra[0].float(), called.last.float()
         if not self.head_checked:
             self._check_head()
 
@@ -498,10 +502,11 @@ def _stops(criteria: StopStringCriteria, state) -> bool:
 class _ExtraLogitRows:
     """The target as transformers' model runner calls it, with `rows` appended to the rows whose logits the forward
     keeps (`logits_to_keep`, transformers' one row per request): one pass of the output layer for both, rather than a
-    second product over the trees' rows. The runner gets its own rows back; `extra` holds the others, in order."""
+    second product over the trees' rows. The runner gets its own rows back; `extra` holds the others, in order, and
+    `last` a copy of the runner's rows at places `last`, taken before the runner processes them (in place, maybe)."""
 
-    def __init__(self, model, rows: torch.Tensor):
-        self.model, self.rows, self.extra = model, rows, None
+    def __init__(self, model, rows: torch.Tensor, last: torch.Tensor):
+        self.model, self.rows, self.last_rows, self.extra, self.last = model, rows, last, None, None
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -514,6 +519,7 @@ class _ExtraLogitRows:
         rows = self.rows.to(device=keep.device, dtype=keep.dtype)
         output = self.model(**{**kwargs, "logits_to_keep": torch.cat([keep, rows])})
         self.extra = output.logits[:, keep.numel() :]
+        self.last = output.logits[0, self.last_rows.to(keep.device)]
         output.logits = output.logits[:, : keep.numel()]
         return output
 
