@@ -428,7 +428,7 @@ def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bo
     config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=-1, pad_token_id=0)
     features, skipped, preloaded, read, entries = {}, [], {}, {}, {}
     prompt_features, search = SharedPageFeatures.prompt_features, PagedAttentionCache.search_prefix_match
-    draft_prefix, observe = SharedPageFeatures.draft_prefix, JakiroBatchProcessor._observe
+    preload_draft, observe = SharedPageFeatures.preload_draft, JakiroBatchProcessor._observe
     keep_draft_reads, attach = SharedPageFeatures.keep_draft_reads, JakiroBatchProcessor.attach
 
     def attach_keeping_first_reads(self, *args):  # without sharing too, to compare the entries
@@ -444,10 +444,9 @@ def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bo
         features[state.request_id] = prompt_features(self, cache, state, chunks)
         return features[state.request_id]
 
-    def spy_prefix(self, cache, state):
-        entries = draft_prefix(self, cache, state)
-        preloaded[state.request_id] = 0 if entries is None else entries[0][0].shape[-2]
-        return entries
+    def spy_preload(self, cache, state, drafter, row):
+        preloaded[state.request_id] = preload_draft(self, cache, state, drafter, row)
+        return preloaded[state.request_id]
 
     def spy_observe(self, request, rows, next_tokens, tokens, lookup=None):
         if request in self.rows:  # the first call for a draft row: its prompt's positions to read
@@ -464,7 +463,7 @@ def shared_prefix_run(target, draft, prompts, sharing: bool, forget_features: bo
     results, order = {}, []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SharedPageFeatures, "prompt_features", spy_features)
-        patch.setattr(SharedPageFeatures, "draft_prefix", spy_prefix)
+        patch.setattr(SharedPageFeatures, "preload_draft", spy_preload)
         patch.setattr(JakiroBatchProcessor, "_observe", spy_observe)
         patch.setattr(SharedPageFeatures, "keep_draft_reads", spy_draft_reads)
         patch.setattr(JakiroBatchProcessor, "attach", attach_keeping_first_reads)

@@ -77,20 +77,20 @@ class SharedPageFeatures:
             hashes.append(page_hash)
         return hashes
 
-    def draft_prefix(self, cache, state) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The draft's entries at the prompt's first positions, [0, n*size - 1) for its first n pages whose entries
-        are kept (`BatchDrafter.preload` takes them); None when its first page's are not."""
+    def draft_prefix(self, pages: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The draft's entries at a prompt's first positions, [0, n*size - 1) for the first n of its `pages` (hashes,
+        `prompt_pages`) whose entries are kept (`BatchDrafter.preload` takes them); None when its first page's are
+        not."""
         kept = []
-        for page_hash in self.prompt_pages(cache, state):
+        for page_hash in pages:
             entries = self.draft_by_hash.get(page_hash)
             if entries is None:
                 break
             kept.append(entries)
         if not kept:
             return None
-        return [(torch.cat([page[layer][0] for page in kept], dim=-2), torch.cat([page[layer][1] for page in kept],
-                                                                                 dim=-2))
-                for layer in range(len(kept[0]))]
+        # per layer, the pages' keys joined and their values joined
+        return [tuple(torch.cat(part, dim=-2) for part in zip(*layer)) for layer in zip(*kept)]
 
     def preload_draft(self, cache, state, drafter, row: int) -> int:
         """A joining request's draft row (`row` of `drafter`, just added): the draft's entries kept for its prompt's
@@ -98,10 +98,11 @@ class SharedPageFeatures:
         of its prompt adds (`keep_draft_reads`). Returns the positions preloaded: queue the prompt from there on."""
         if not cache.use_prefix_sharing:
             return 0
-        entries = self.draft_prefix(cache, state)
+        pages = self.prompt_pages(cache, state)
+        entries = self.draft_prefix(pages)
         if entries is not None:
             drafter.preload(row, entries)
-        self.unread[state.request_id] = self.prompt_pages(cache, state)
+        self.unread[state.request_id] = pages
         return 0 if entries is None else entries[0][0].shape[-2]
 
     def keep_draft_reads(self, cache, drafter, requests: list[str]) -> None:
