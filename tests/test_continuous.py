@@ -369,6 +369,58 @@ def test_only_a_lone_tree_takes_its_leaves_logits_lazily(pairs, monkeypatch):
     assert any(count > 1 for count, _, _ in seen)
 
 
+@needs_allocators
+@pytest.mark.parametrize("cheapest_rows", [32, None])
+def test_passes_of_the_output_layer_padded_to_a_cheaper_row_count_hold_a_lone_trees_leaves(cheapest_rows, pairs,
+                                                                                          monkeypatch):
+    """Where the output layer measured cheaper at a larger row count (`output_rows.padded_count`), a forward's pass is
+    padded to it: a lone lazy tree's leaves fill the padding first, so a path ending at one of them needs no product
+    of its own; other passes (plain steps of several requests, several trees) get copies of a row. Here one row and
+    32 rows cost a third of every other count: each pass of 2 to 32 rows holds 32, a lone tree (13 nodes, lookup off)
+    its leaves all, and the processor's only products of the output layer are the first forwards' checks. With no
+    count cheaper than a smaller one (None) nothing is padded and lone trees whose path ends at a leaf make one
+    product each. Exact both ways."""
+    from transformers_jakiro import continuous
+    from transformers_jakiro.continuous import JakiroBatchProcessor, jakiro_cb_config, jakiro_generate_batch
+
+    costs = [0.0] + [1.0 if count in (1, cheapest_rows) else 3.0 for count in range(1, 33)]
+    attach, rows_to_keep = JakiroBatchProcessor.attach, JakiroBatchProcessor._tree_rows_to_keep
+    products, passes, leaves_held = [], [], []
+
+    def attach_counting(self, *args):
+        attach(self, *args)
+        self.head = CountingHead(self.head, products)
+
+    def rows_noting(self):
+        rows = rows_to_keep(self)
+        leaves_held.append(len(self._kept_leaves))
+        return rows
+
+    monkeypatch.setattr(continuous, "row_costs", lambda head: costs)
+    monkeypatch.setattr(JakiroBatchProcessor, "attach", attach_counting)
+    monkeypatch.setattr(JakiroBatchProcessor, "_tree_rows_to_keep", rows_noting)
+    target, draft = pairs("llama")
+    def note_pass(module, args, kwargs):  # continuous batching's forwards keep rows by index (generate's by count)
+        if isinstance(kwargs.get("logits_to_keep"), torch.Tensor):
+            passes.append(kwargs["logits_to_keep"].numel())
+
+    target.register_forward_pre_hook(note_pass, with_kwargs=True)
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
+    cb = jakiro_cb_config(page_size=4, num_blocks=256, max_batch_tokens=64)
+    settings = TreeSettings.resolve(draft, adaptive=False, total_tokens=12, depth=3, top_k=4, lookup_tokens=0)
+    checked = []  # the passes after each manager's first forward (that one's rows are the check's: never padded)
+    for prompts in (prompts_of(35, 1), prompts_of(36, 3)):
+        passes.clear()
+        results = jakiro_generate_batch(target, draft, prompts, greedy, cb, settings)
+        checked += passes[1:]
+        assert [r.generated_tokens for r in results.values()] == [alone(target, p, greedy) for p in prompts]
+    if cheapest_rows:  # beyond the measured counts (32) nothing is padded
+        assert {count for count in checked if count <= 32} == {32}  # (every round here is a tree: pinned)
+        assert max(leaves_held) > 3 and products == [1, 3]  # each manager's check (of one prompt, then three)
+    else:
+        assert 32 not in checked and max(leaves_held) == 0 and len(products) > 3
+
+
 class CountingHead:
     """An output layer that notes the rows of every product it makes."""
 
@@ -386,10 +438,10 @@ def test_trees_logits_come_from_the_forwards_own_output_layer_pass(pairs, monkey
     the row per request it samples from: no second product over the trees' rows (on a CPU each pass reads the whole
     layer), and no row twice (a tree's last node is transformers' row of its request). Every node's logits from the
     forward here (an accelerator's way), three requests, outputs exact."""
-    from transformers_jakiro import continuous
     from transformers_jakiro.continuous import JakiroBatchProcessor, jakiro_cb_config, jakiro_generate_batch
+    from transformers_jakiro.decoding.output_rows import ExtraLogitRows
 
-    attach, products, call, repeated = JakiroBatchProcessor.attach, [], continuous._ExtraLogitRows.__call__, []
+    attach, products, call, repeated = JakiroBatchProcessor.attach, [], ExtraLogitRows.__call__, []
 
     def call_checking(self, **kwargs):  # the trees' rows never include a request's last query row (transformers')
         last_rows = set((kwargs["cu_seq_lens_q"][1:] - 1).tolist())
@@ -402,7 +454,7 @@ def test_trees_logits_come_from_the_forwards_own_output_layer_pass(pairs, monkey
         self.head = CountingHead(self.head, products)  # the processor's own products of the output layer
 
     monkeypatch.setattr(JakiroBatchProcessor, "attach", attach_counting)
-    monkeypatch.setattr(continuous._ExtraLogitRows, "__call__", call_checking)
+    monkeypatch.setattr(ExtraLogitRows, "__call__", call_checking)
     target, draft = pairs("llama")
     greedy = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
     prompts = prompts_of(34, 3)

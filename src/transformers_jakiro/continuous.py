@@ -46,6 +46,7 @@ from .continuous_support import check_layout, check_supported, jakiro_cb_config
 from .decoding import verification
 from .decoding.batch_drafter import BatchDrafter
 from .decoding.drafter import TreeSettings
+from .decoding.output_rows import ExtraLogitRows, padded_count, row_costs
 from .decoding.row_rounds import LAZY_LEAVES_MIN_NODES
 from .decoding.round_controller import (
     PinnedController,
@@ -76,17 +77,20 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.target, self.draft, self.settings = target, draft, settings
         self.feature_layers = draft.config.target_feature_layers
         # The trees' logits: the forward keeps them with the row per request that transformers samples from, in the
-        # same pass of the output layer (`_ExtraLogitRows`; on a CPU each pass reads the whole layer: 14 ms for
-        # Qwen2.5-Coder-1.5B's in bf16 on a 2-core EPYC, CB-9). The output layer alone gives a lazy leaf's logits where
-        # it reproduces the target's; where it does not (a model that scales or caps logits after it) the forward keeps
-        # every row's.
+        # same pass of the output layer (`output_rows.ExtraLogitRows`; on a CPU each pass reads the whole layer: 14 ms
+        # for Qwen2.5-Coder-1.5B's in bf16 on a 2-core EPYC, CB-9). The output layer alone gives a lazy leaf's logits
+        # where it reproduces the target's; where it does not (a model that scales or caps logits after it) the forward
+        # keeps every row's.
         self.head = target.get_output_embeddings()
         self.head_checked = False
         # On a CPU a row of the output layer costs as much as several of a small target's layers: logits at a tree's
         # internal nodes only, and at the one leaf where an accepted path ends (as `row_rounds.lazy_leaf_head`), when
         # the forward holds one tree (`_lazy_tree`).
         self.lazy_leaves = target.get_input_embeddings().weight.device.type == "cpu"
+        # There a pass's row count is padded to one that costs less on this machine (`output_rows.padded_count`)
+        self.row_costs = row_costs(self.head) if self.lazy_leaves and self.head is not None else None
         self._internal = {}  # this step's trees' internal nodes per request (lazy leaves)
+        self._kept_leaves = {}  # the lazy tree's leaves whose logits the pass holds: node -> its row among the trees'
         self.drafter = BatchDrafter(draft, settings, 0)
         self.rows: list[str] = []  # the drafter's rows: the requests that decode
         self.trees = {}  # request id -> (the tree it brings to the next forward, the round's name)
@@ -150,11 +154,12 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             self.head = None
             self.model_runner._model_supports_logits_to_keep = False
 
-    def _tree_rows_to_keep(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rows this forward keeps for the trees besides transformers' own (a request's last query row, a tree's
-        last node): a tree's other nodes, a lone tree's on a CPU its internal ones (`_lazy_tree`); and the trees' last
-        nodes' places among transformers' rows. None without trees or where every row is kept (`_node_logits`)."""
-        self._tree_rows, self._internal = {}, {}
+    def _tree_rows_to_keep(self) -> tuple[torch.Tensor, torch.Tensor, object] | None:
+        """The rows this forward keeps besides transformers' own (a request's last query row, a tree's last node): a
+        tree's other nodes, a lone tree's on a CPU its internal ones (`_lazy_tree`); the trees' last nodes' places among
+        transformers' rows; and the row count the pass is padded to (`output_rows.padded_count`), the lone tree's leaves
+        first. None where no row is added (or every row is kept: `_node_logits`)."""
+        self._tree_rows, self._internal, self._kept_leaves = {}, {}, {}
         if self.head is None:
             return None
         batch, starts = self.inputs_and_outputs.requests_in_batch, self._starts
@@ -163,16 +168,27 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         for i, future in enumerate(batch):
             request = future.state.request_id
             if request in self.trees:
-                if request == lazy:
-                    nodes = self._internal[request] = self.trees[request][0].internal_nodes().cpu()
-                else:  # the last node's logits: transformers' row of this request
-                    nodes = torch.arange(starts[i + 1] - starts[i] - 1)
-                    last.append(kept)
+                tree = self.trees[request][0]
+                nodes = tree.internal_nodes().cpu() if request == lazy else torch.arange(tree.num_nodes - 1)
                 rows.append(starts[i] + nodes)
+                last.append(kept)  # the last node's logits: transformers' row of this request
                 self._tree_rows[starts[i]] = (at, len(last) - 1)
                 at += nodes.numel()
+                if request == lazy:
+                    self._internal[request], lazy_start = nodes, starts[i]
             kept += future.has_new_token
-        return (torch.cat(rows), torch.tensor(last, dtype=torch.long)) if rows else None
+        # Not before the first forward's check of the output layer (`_check_head`), which compares the runner's rows
+        pad_to = (lambda count: padded_count(self.row_costs, count)) if self.head_checked and self.row_costs else None
+        count = len(batch) + at  # the runner keeps a row per request
+        if lazy is not None and pad_to is not None and pad_to(count) > count:
+            tree = self.trees[lazy][0]
+            leaves = [node for node in tree.leaves().tolist() if node != tree.num_nodes - 1][: pad_to(count) - count]
+            rows.append(lazy_start + torch.tensor(leaves, dtype=torch.long))
+            self._kept_leaves = {node: at + place for place, node in enumerate(leaves)}
+        if not rows and (pad_to is None or pad_to(count) == count):
+            return None
+        rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        return rows, torch.tensor(last, dtype=torch.long), pad_to
 
     def _lazy_tree(self, requests: list[str]) -> str | None:
         """The request whose leaves get their logits lazily in this forward, if any: on a CPU, the one request that
@@ -200,7 +216,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         """transformers' step, keeping the logits its forward computes, the trees' among them (`_tree_rows_to_keep`),
         and the draft's features (hooks)."""
         rows = self._tree_rows_to_keep()
-        called = model if rows is None else _ExtraLogitRows(model, *rows)
+        called = model if rows is None else ExtraLogitRows(model, *rows)
         with TargetFeatures(model, self.feature_layers) as hidden:
             if hidden.decoder is None:
                 raise ValueError("Jakiro continuous batching needs a target with a decoder module to hook.")
@@ -352,9 +368,15 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         logits = self._processed(future, self._node_logits(state.request_id, rows))
         leaf_logits = None
         if state.request_id in self._internal:  # leaves' logits: only where the accepted path ends, one row
+            at, last = self._tree_rows[rows.start]
 
             def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
-                hidden = self._features[rows.start + int(node), -self.head.weight.shape[1] :]
+                node = int(node)
+                if node == n - 1:  # the tree's last node: transformers' row
+                    return self._processed(future, self._last_logits[last : last + 1])[0]
+                if node in self._kept_leaves:  # a leaf the pass's padding held
+                    return self._processed(future, self._tree_logits[self._kept_leaves[node]][None])[0]
+                hidden = self._features[rows.start + node, -self.head.weight.shape[1] :]
                 return self._processed(future, self.head(hidden[None]).float())[0]
 
         path, bonus = verification.verify(tree, logits, self.do_sample, leaf_logits)
@@ -499,37 +521,13 @@ def _stops(criteria: StopStringCriteria, state) -> bool:
     return bool(criteria(torch.tensor([ids]), None)[0])
 
 
-class _ExtraLogitRows:
-    """The target as transformers' model runner calls it, with `rows` appended to the rows whose logits the forward
-    keeps (`logits_to_keep`, transformers' one row per request): one pass of the output layer for both, rather than a
-    second product over the trees' rows. The runner gets its own rows back; `extra` holds the others, in order, and
-    `last` a copy of the runner's rows at places `last`, taken before the runner processes them (in place, maybe)."""
-
-    def __init__(self, model, rows: torch.Tensor, last: torch.Tensor):
-        self.model, self.rows, self.last_rows, self.extra, self.last = model, rows, last, None, None
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def __call__(self, **kwargs):
-        keep = kwargs.get("logits_to_keep")
-        if not isinstance(keep, torch.Tensor):  # only called where the runner keeps rows (`_check_head` saw it do so)
-            raise RuntimeError("Jakiro continuous batching expected transformers' model runner to pass the rows to "
-                               "keep logits at as `logits_to_keep` indices; this transformers version does not.")
-        rows = self.rows.to(device=keep.device, dtype=keep.dtype)
-        output = self.model(**{**kwargs, "logits_to_keep": torch.cat([keep, rows])})
-        self.extra = output.logits[:, keep.numel() :]
-        self.last = output.logits[0, self.last_rows.to(keep.device)]
-        output.logits = output.logits[:, : keep.numel()]
-        return output
-
-
 class JakiroContinuousBatchingManager(ContinuousBatchingManager):
     """transformers' continuous batching manager (its request queue, scheduler, paged cache, background thread,
     streaming and cancellation), whose batch processor runs Jakiro rounds (`JakiroBatchProcessor`)."""
 
     def __init__(self, target, draft, generation_config: GenerationConfig | None = None,
-                 continuous_batching_config: ContinuousBatchingConfig | None = None, settings: TreeSettings | None = None):
+                 continuous_batching_config: ContinuousBatchingConfig | None = None,
+                 settings: TreeSettings | None = None):
         generation_config = generation_config if generation_config is not None else target.generation_config
         continuous_batching_config = continuous_batching_config or jakiro_cb_config()
         check_supported(target, generation_config, continuous_batching_config)
