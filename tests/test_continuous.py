@@ -421,6 +421,32 @@ def test_passes_of_the_output_layer_padded_to_a_cheaper_row_count_hold_a_lone_tr
         assert 32 not in checked and max(leaves_held) == 0 and len(products) > 3
 
 
+@needs_allocators
+def test_a_lone_requests_smaller_tree_fills_a_forward_of_a_cheaper_query_count(pairs, monkeypatch):
+    """One request decoding alone verifies its tree in a forward of its own, so its controller's smaller tree grows to
+    the query count the output layer measured cheaper (`output_rows.padded_count`, the layers' products share its
+    kernels); a batch's controllers keep theirs. Here 8 queries cost a third of 2 to 7: the smaller tree of the
+    draft's 60/5/10 (4 nodes below the root) grows to 7. Exact."""
+    from transformers_jakiro import continuous
+    from transformers_jakiro.continuous import jakiro_cb_config, jakiro_generate_batch
+    from transformers_jakiro.decoding.round_controller import choices_for
+
+    costs = [0.0] + [1.0 if count in (1, 8) else 3.0 for count in range(1, 33)]
+    made, controller = {}, continuous.RoundController
+    monkeypatch.setattr(continuous, "row_costs", lambda head: costs)
+    monkeypatch.setattr(continuous, "RoundController",
+                        lambda choices, key, **kwargs: made.setdefault(key, controller(choices, key=key, **kwargs)))
+    target, draft = pairs("llama")
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=30, eos_token_id=-1, pad_token_id=0)
+    cb = jakiro_cb_config(page_size=4, num_blocks=256, max_batch_tokens=128)
+    for prompts in (prompts_of(37, 1), prompts_of(38, 2)):
+        results = jakiro_generate_batch(target, draft, prompts, greedy, cb, TreeSettings.resolve(draft, adaptive=True))
+        assert [r.generated_tokens for r in results.values()] == [alone(target, p, greedy) for p in prompts]
+    choices = {key.split("|")[-2]: [choice.name for choice in c.choices] for key, c in made.items()}
+    assert choices["batch 1"][:2] == ["tree 60/5/10", "tree 7/3/4"]
+    assert choices["batch 2"][:2] == [choice.name for choice in choices_for(30, 5, 10, True, False)[:2]]
+
+
 class CountingHead:
     """An output layer that notes the rows of every product it makes."""
 

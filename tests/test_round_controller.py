@@ -31,6 +31,18 @@ def test_choices_for_the_configured_tree():
     assert choices_for(1, 1, 1, lookup=True, fixed_shape=False) == [RoundChoice("tree", 1, 1, 1), LOOKUP, PLAIN]
 
 
+def test_a_smaller_tree_grows_to_fill_a_forward_that_costs_less_with_more_queries():
+    """`pad_queries` (a machine's cheaper query counts, `output_rows.padded_count`) grows the smaller tree: 2 nodes
+    and the root are 3 queries, which a machine that runs 4 faster pads to 3 nodes; the configured tree stays."""
+    four = {3: 4}
+    assert choices_for(16, 1, 6, lookup=True, fixed_shape=False, pad_queries=lambda q: four.get(q, q)) == [
+        RoundChoice("tree", 16, 1, 6), RoundChoice("tree", 3, 1, 4, chains=False), LOOKUP, PLAIN]
+    assert choices_for(16, 1, 6, lookup=True, fixed_shape=False) == [
+        RoundChoice("tree", 16, 1, 6), RoundChoice("tree", 2, 1, 4, chains=False), LOOKUP, PLAIN]
+    assert choices_for(24, 4, 6, lookup=True, fixed_shape=False, pad_queries=lambda q: q) == [FULL, SMALL, LOOKUP,
+                                                                                            PLAIN]
+
+
 def simulate(controller, outcome, rounds=200, lookup_ready=True):
     """Run the controller on simulated rounds: outcome(choice) -> (tokens, seconds). Returns the choice counts and
     the tokens per second reached."""

@@ -29,6 +29,7 @@ depend on the prefix are refused by name (continuous batching applies them to on
 """
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -89,8 +90,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         self.lazy_leaves = target.get_input_embeddings().weight.device.type == "cpu"
         # There a pass's row count is padded to one that costs less on this machine (`output_rows.padded_count`)
         self.row_costs = row_costs(self.head) if self.lazy_leaves and self.head is not None else None
-        self._internal = {}  # this step's trees' internal nodes per request (lazy leaves)
-        self._kept_leaves = {}  # the lazy tree's leaves whose logits the pass holds: node -> its row among the trees'
+        self._internal, self._kept_leaves = {}, {}  # this step's lazy tree: its internal nodes, leaves the pass holds
         self.drafter = BatchDrafter(draft, settings, 0)
         self.rows: list[str] = []  # the drafter's rows: the requests that decode
         self.trees = {}  # request id -> (the tree it brings to the next forward, the round's name)
@@ -416,10 +416,11 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
 
     def _controller(self, decoding: int):
         """The round controller for this many decoding requests (rounded up to a power of two): its choices are the
-        configured tree's node budget shared by the requests (`round_controller.batch_tree`), a smaller tree, lookup
-        chains alone and a plain step, chosen by measured tokens per second (`round_controller.RoundController`), with
-        the round costs this machine measured before at this count as priors (the per-machine cache, saved when the
-        batch goes idle), so that a new server does not start by trying every choice again."""
+        configured tree's node budget shared by the requests (`round_controller.batch_tree`), a smaller tree (a lone
+        request's grown to fill its forward, `output_rows`), lookup chains alone and a plain step, chosen by measured
+        tokens per second (`round_controller.RoundController`), with the round costs this machine measured before at
+        this count as priors (the per-machine cache, saved when the batch goes idle), so that a new server does not
+        start by trying every choice again."""
         bucket = 1 << (decoding - 1).bit_length()
         if bucket not in self.controllers:
             settings = self.settings
@@ -427,7 +428,8 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             if not settings.adaptive:
                 self.controllers[bucket] = PinnedController(RoundChoice("tree", total, depth, top_k))
             else:
-                choices = choices_for(total, depth, top_k, settings.lookup_tokens > 0, fixed_shape=False)
+                pad = functools.partial(padded_count, self.row_costs) if bucket == 1 else None
+                choices = choices_for(total, depth, top_k, settings.lookup_tokens > 0, False, pad_queries=pad)
                 key = machine_key(self.target, "continuous-batching", bucket)
                 self.controllers[bucket] = RoundController(choices, cost_priors=load_costs(key), key=key,
                                                            mode="sampling" if self.do_sample else "greedy")

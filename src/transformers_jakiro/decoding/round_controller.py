@@ -62,7 +62,8 @@ class RoundChoice:
         return self.kind if self.kind != "tree" else f"tree {self.total_tokens}/{self.depth}/{self.top_k}"
 
 
-def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_shape: bool) -> list[RoundChoice]:
+def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_shape: bool,
+                pad_queries=None) -> list[RoundChoice]:
     """The configured tree, a smaller tree (not with fixed shapes: every tree is padded to one size there, so a
     smaller one would save only draft levels), lookup alone when lookup is on, and a plain step; in the order they
     are first tried.
@@ -75,11 +76,17 @@ def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_s
     grafted onto the smaller tree) lost to plain steps (docs/experiments/round-cost.md, RCOST-6). It has at least one
     node, so a batch's per-row tree of 2 to 4 nodes (`batch_tree`) gets a one-node one: the cheapest drafted round
     where each row's extra query rows cost compute (Qwen2.5-Coder-1.5B bf16 at 4 rows on a 2-core CPU, BATCH-Q4 in
-    docs/experiments/batches.md)."""
+    docs/experiments/batches.md).
+
+    `pad_queries` (a function from a verify forward's query count to the count this machine runs at least as fast)
+    grows the smaller tree to fill its forward: on a 2-core AMD EPYC, SmolLM2-135M fp32, a 4-token forward costs less
+    than a 3-token one, and one request's rounds of 3 draft nodes took 63-65 ms against 72-73 ms for 2 (CB-16)."""
     full = RoundChoice("tree", total_tokens, depth, top_k)
     options = [full]
     small_depth = max(1, (depth + 1) // 2)
     small_total = max(1, min(total_tokens // 3, small_depth + 1))
+    if pad_queries is not None:  # the root and the smaller tree's nodes
+        small_total = pad_queries(1 + small_total) - 1
     small = RoundChoice("tree", small_total, min(small_depth, small_total), max(1, min(top_k, 4)), False)
     if not fixed_shape and small.total_tokens < full.total_tokens:
         options.append(small)
