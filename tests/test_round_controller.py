@@ -33,7 +33,8 @@ def test_choices_for_the_configured_tree():
 
 def test_a_smaller_tree_grows_to_fill_a_forward_that_costs_less_with_more_queries():
     """`pad_queries` (a machine's cheaper query counts, `output_rows.padded_count`) grows the smaller tree: 2 nodes
-    and the root are 3 queries, which a machine that runs 4 faster pads to 3 nodes; the configured tree stays."""
+    and the root are 3 queries, which a machine that runs 4 faster pads to 3 nodes, never to the configured tree's
+    size; the configured tree stays."""
     four = {3: 4}
     assert choices_for(16, 1, 6, lookup=True, fixed_shape=False, pad_queries=lambda q: four.get(q, q)) == [
         RoundChoice("tree", 16, 1, 6), RoundChoice("tree", 3, 1, 4, chains=False), LOOKUP, PLAIN]
@@ -41,6 +42,9 @@ def test_a_smaller_tree_grows_to_fill_a_forward_that_costs_less_with_more_querie
         RoundChoice("tree", 16, 1, 6), RoundChoice("tree", 2, 1, 4, chains=False), LOOKUP, PLAIN]
     assert choices_for(24, 4, 6, lookup=True, fixed_shape=False, pad_queries=lambda q: q) == [FULL, SMALL, LOOKUP,
                                                                                             PLAIN]
+    # never as large as the configured tree (a table that says 16 queries cost less than 3 keeps 2 nodes)
+    assert choices_for(16, 1, 6, lookup=False, fixed_shape=False, pad_queries=lambda q: 17)[1] == RoundChoice(
+        "tree", 2, 1, 4, chains=False)
 
 
 def simulate(controller, outcome, rounds=200, lookup_ready=True):

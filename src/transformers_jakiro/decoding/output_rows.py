@@ -10,34 +10,40 @@ needs n rows computes `padded_count(n)`: a count of at least n that costs clearl
 whose logits may be needed (a tree's leaves) or else copies of a needed row.
 """
 
+import logging
 import time
 
 import torch
 
-ROW_COSTS_UP_TO = 32  # the row counts measured (1 to this); above it no padding (the time grows smoothly there)
+logger = logging.getLogger(__name__)
+
+ROW_COSTS_UP_TO = 24  # the row counts measured (1 to this); above no padding (the time grows smoothly there)
 PADDING_GAIN = 0.95  # a larger count is taken only when it costs at most this share of the smaller one's time
 _MEASURED: dict[tuple, list[float]] = {}
 
 
-def row_costs(head: torch.nn.Module, up_to: int = ROW_COSTS_UP_TO, repeats: int = 3) -> list[float]:
+def row_costs(head: torch.nn.Module, up_to: int = ROW_COSTS_UP_TO, repeats: int = 5) -> list[float]:
     """Seconds the output layer `head` takes for 1 to `up_to` rows of hidden states (index = row count; index 0 is 0),
-    the fastest of `repeats` calls each; measured once per layer, dtype, device and thread count in a process."""
+    the fastest of `repeats` calls each, the counts taken in turn in each repeat (so that a spell of other work on the
+    machine, such as another server starting, slows one call of many counts rather than every call of a few);
+    measured once per layer, dtype, device and thread count in a process."""
     weight = head.weight
     key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, weight.device, torch.get_num_threads(), up_to)
     if key not in _MEASURED:
-        costs = [0.0]
+        times = [[] for _ in range(up_to + 1)]
         with torch.no_grad():
-            for rows in range(1, up_to + 1):
-                hidden = torch.randn(1, rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-                times = []
-                for _ in range(repeats + 1):  # the first call warms the count's buffers
+            hidden = torch.randn(1, up_to, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            for repeat in range(repeats + 1):  # the first round warms each count's buffers
+                for rows in range(1, up_to + 1):
                     start = time.perf_counter()
-                    head(hidden)
+                    head(hidden[:, :rows])
                     if weight.device.type == "cuda":
                         torch.cuda.synchronize(weight.device)
-                    times.append(time.perf_counter() - start)
-                costs.append(min(times[1:]))
-        _MEASURED[key] = costs
+                    if repeat:
+                        times[rows].append(time.perf_counter() - start)
+        _MEASURED[key] = [0.0] + [min(each) for each in times[1:]]
+        logger.info("output layer %s: ms per pass by row count 1-%d: %s", tuple(weight.shape), up_to,
+                    " ".join(f"{1000 * cost:.1f}" for cost in _MEASURED[key][1:]))
     return _MEASURED[key]
 
 

@@ -79,13 +79,14 @@ def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_s
     docs/experiments/batches.md).
 
     `pad_queries` (a function from a verify forward's query count to the count this machine runs at least as fast)
-    grows the smaller tree to fill its forward: on a 2-core AMD EPYC, SmolLM2-135M fp32, a 4-token forward costs less
-    than a 3-token one, and one request's rounds of 3 draft nodes took 63-65 ms against 72-73 ms for 2 (CB-16)."""
+    grows the smaller tree to fill its forward, while it stays smaller than the configured tree: on a 2-core AMD EPYC,
+    SmolLM2-135M fp32, a 4-token forward costs less than a 3-token one, and one request's rounds of 3 draft nodes took
+    63-65 ms against 72-73 ms for 2 (CB-16)."""
     full = RoundChoice("tree", total_tokens, depth, top_k)
     options = [full]
     small_depth = max(1, (depth + 1) // 2)
     small_total = max(1, min(total_tokens // 3, small_depth + 1))
-    if pad_queries is not None:  # the root and the smaller tree's nodes
+    if pad_queries is not None and pad_queries(1 + small_total) - 1 < total_tokens:  # the root and its nodes
         small_total = pad_queries(1 + small_total) - 1
     small = RoundChoice("tree", small_total, min(small_depth, small_total), max(1, min(top_k, 4)), False)
     if not fixed_shape and small.total_tokens < full.total_tokens:
