@@ -84,6 +84,7 @@ def continuous_batching_manager(model, settings: dict, generation_config=None, c
 
     log_to_stderr()
     log_to_stderr("transformers_jakiro.continuous")
+    log_to_stderr("transformers_jakiro.decoding.output_rows")  # the output layer's times per row count, once
     generation_config = generation_config if generation_config is not None else model.generation_config
     given = continuous_batching_config
     config = jakiro_cb_config()
