@@ -368,7 +368,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
         logits = self._processed(future, self._node_logits(state.request_id, rows))
         leaf_logits = None
         if state.request_id in self._internal:  # leaves' logits: only where the accepted path ends, one row
-            at, last = self._tree_rows[rows.start]
+            last = self._tree_rows[rows.start][1]  # its last node's place among transformers' rows
 
             def leaf_logits(node: torch.LongTensor) -> torch.Tensor:
                 node = int(node)
