@@ -175,17 +175,17 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 self._tree_rows[starts[i]] = (at, len(last) - 1)
                 at += nodes.numel()
                 if request == lazy:
-                    self._internal[request], lazy_start = nodes, starts[i]
+                    self._internal[request], lazy_start, lazy_tree = nodes, starts[i], tree
             kept += future.has_new_token
         # Not before the first forward's check of the output layer (`_check_head`), which compares the runner's rows
         pad_to = (lambda count: padded_count(self.row_costs, count)) if self.head_checked and self.row_costs else None
         count = len(batch) + at  # the runner keeps a row per request
-        if lazy is not None and pad_to is not None and pad_to(count) > count:
-            tree = self.trees[lazy][0]
-            leaves = [node for node in tree.leaves().tolist() if node != tree.num_nodes - 1][: pad_to(count) - count]
+        padded = count if pad_to is None else pad_to(count)
+        if lazy is not None and padded > count:
+            leaves = [node for node in lazy_tree.leaves().tolist() if node != lazy_tree.num_nodes - 1][: padded - count]
             rows.append(lazy_start + torch.tensor(leaves, dtype=torch.long))
             self._kept_leaves = {node: at + place for place, node in enumerate(leaves)}
-        if not rows and (pad_to is None or pad_to(count) == count):
+        if not rows and padded == count:
             return None
         rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         return rows, torch.tensor(last, dtype=torch.long), pad_to
