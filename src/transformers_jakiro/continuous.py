@@ -37,10 +37,7 @@ import time
 
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, StopStringCriteria
-from transformers.generation.continuous_batching.continuous_api import (
-    ContinuousBatchingManager,
-    ContinuousBatchProcessor,
-)
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, ContinuousBatchProcessor
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 from .continuous_support import check_layout, check_supported, jakiro_cb_config
@@ -49,17 +46,10 @@ from .decoding.batch_drafter import BatchDrafter
 from .decoding.drafter import TreeSettings
 from .decoding.output_rows import ExtraLogitRows, padded_count, row_costs
 from .decoding.row_rounds import LAZY_LEAVES_MIN_NODES
-from .decoding.round_controller import (
-    PinnedController,
-    RoundChoice,
-    RoundController,
-    batch_tree,
-    choices_for,
-    load_costs,
-    machine_key,
-    save_costs,
-)
+from .decoding.round_controller import (PinnedController, RoundChoice, RoundController, batch_tree, choices_for,
+                                        load_costs, machine_key, save_costs)
 from .features import TargetFeatures
+from .openmp import release_thread_pool
 from .paged_kv import move_slots
 from .shared_pages import SharedPageFeatures
 from .stats import JakiroGenerationStats
@@ -540,6 +530,10 @@ class JakiroContinuousBatchingManager(ContinuousBatchingManager):
         self.draft, self.settings = draft, settings or TreeSettings.resolve(draft)
         self.pending_stops: dict[str, StopStringCriteria] = {}  # requests' stop strings, until their prefill ends
         self._stop_ids = itertools.count()
+
+    def start(self) -> None:
+        release_thread_pool()  # this thread's torch work moves to the manager's thread (see openmp.py)
+        super().start()
 
     def add_request(self, input_ids: list[int], request_id: str | None = None, *args,
                     stop_strings: str | list[str] | None = None, tokenizer=None, **kwargs) -> str | None:
