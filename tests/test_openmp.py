@@ -79,3 +79,15 @@ def test_the_manager_releases_the_pool_of_the_thread_that_starts_it(monkeypatch)
         manager.stop(block=True)
     assert calls == [(threading.get_ident(), None)]
     assert len(result.generated_tokens) == 4
+
+
+def test_the_served_repositorys_code_releases_the_loading_threads_pool(monkeypatch):
+    """`jakiro serve` without continuous batching: transformers imports the prepared repository's `generate.py` on the
+    thread that loaded the weights (after them), and the server then decodes on its inference thread."""
+    from transformers_jakiro import serve
+
+    calls = []
+    monkeypatch.setattr(openmp, "release_thread_pool", lambda: calls.append(threading.get_ident()))
+    code = serve.SHIM.format(marker=serve.SHIM_MARKER, settings=repr({"draft": "/a/head"}))
+    exec(compile(code, "generate.py", "exec"), {})
+    assert calls == [threading.get_ident()]

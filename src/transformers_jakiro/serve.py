@@ -97,6 +97,11 @@ if SETTINGS.get("continuous_batching"):  # imported where the server loads the m
     from transformers_jakiro.serve_batching import install_continuous_batching
 
     install_continuous_batching()
+
+# Imported on the thread that loaded the weights; the server decodes on a thread of its own (transformers_jakiro.openmp)
+from transformers_jakiro.openmp import release_thread_pool
+
+release_thread_pool()
 '''
 
 
@@ -295,6 +300,9 @@ def _warm_up(model, tokenizer) -> None:
         model.generate(input_ids=ids["input_ids"].to(model.device), attention_mask=ids["attention_mask"].to(model.device),
                        max_new_tokens=8, do_sample=False)
     logger.info("jakiro: warm-up generate %.1f s", time.perf_counter() - start)
+    from .openmp import release_thread_pool
+
+    release_thread_pool()  # this thread's torch work ends here: the server decodes on its inference thread
 
 
 def _server_main(config: dict) -> int:
