@@ -6,7 +6,7 @@ on one thread (the main thread: loading, warm-up) and then decodes on another (t
 its loop on a thread of its own), so two pools exist. GNU OpenMP (libgomp, the runtime of torch's Linux wheels)
 counts the workers of every pool, idle ones included; once they outnumber the CPUs, workers stop spinning between
 parallel regions and sleep at once, and each region then pays to wake its team. On a 2-core EPYC that made SmolLM2's
-7-query forwards cost 91 ms instead of about 65 ms on the decoding thread (one-token forwards, whose products are not
+7-query forwards cost 91 ms instead of about 63 ms on the decoding thread (one-token forwards, whose products are not
 parallel, were unchanged); see CB-17 in docs/experiments/continuous-batching.md.
 
 `release_thread_pool()` frees the calling thread's pool (OpenMP 5.0 `omp_pause_resource_all`), which the runtime
@@ -34,14 +34,15 @@ def _openmp_runtime():
 
     if not torch.backends.openmp.is_available():
         return None
-    candidates = sorted(p for p in (Path(torch.__file__).parent / "lib").glob("lib*omp*")
-                        if p.name.startswith(_RUNTIME_NAMES))
-    try:  # a runtime torch links from outside its folder (a conda build's libiomp5, a system libgomp)
+    candidates = []
+    try:  # the runtime this process has loaded (Linux), wherever it lives (torch's folder, a conda libiomp5, ...)
         with open("/proc/self/maps") as maps:
             candidates += [Path(line.split()[-1]) for line in maps if "/" in line
                            and os.path.basename(line.split()[-1]).startswith(_RUNTIME_NAMES)]
     except OSError:
         pass
+    candidates += sorted(p for p in (Path(torch.__file__).parent / "lib").glob("lib*omp*")
+                         if p.name.startswith(_RUNTIME_NAMES))
     for path in candidates:
         try:
             library = ctypes.CDLL(str(path))
