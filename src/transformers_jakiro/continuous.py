@@ -144,7 +144,7 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
             self.head = None
             self.model_runner._model_supports_logits_to_keep = False
 
-    def _tree_rows_to_keep(self) -> tuple[torch.Tensor, torch.Tensor, object] | None:
+    def _tree_rows_to_keep(self) -> tuple[torch.Tensor, torch.Tensor, int | None] | None:
         """The rows this forward keeps besides transformers' own (a request's last query row, a tree's last node): a
         tree's other nodes, a lone tree's on a CPU its internal ones (`_lazy_tree`); the trees' last nodes' places among
         transformers' rows; and the row count the pass is padded to (`output_rows.padded_count`), the lone tree's leaves
@@ -167,18 +167,17 @@ class JakiroBatchProcessor(ContinuousBatchProcessor):
                 if request == lazy:
                     self._internal[request], lazy_start, lazy_tree = nodes, starts[i], tree
             kept += future.has_new_token
+        count = kept + at  # the runner keeps a row per request with a new token
         # Not before the first forward's check of the output layer (`_check_head`), which compares the runner's rows
-        pad_to = (lambda count: padded_count(self.row_costs, count)) if self.head_checked and self.row_costs else None
-        count = len(batch) + at  # the runner keeps a row per request
-        padded = count if pad_to is None else pad_to(count)
-        if lazy is not None and padded > count:
+        padded = padded_count(self.row_costs, count) if self.head_checked and self.row_costs else None
+        if lazy is not None and padded is not None and padded > count:
             leaves = [node for node in lazy_tree.leaves().tolist() if node != lazy_tree.num_nodes - 1][: padded - count]
             rows.append(lazy_start + torch.tensor(leaves, dtype=torch.long))
             self._kept_leaves = {node: at + place for place, node in enumerate(leaves)}
-        if not rows and padded == count:
+        if not rows and (padded is None or padded == count):
             return None
         rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
-        return rows, torch.tensor(last, dtype=torch.long), pad_to
+        return rows, torch.tensor(last, dtype=torch.long), padded
 
     def _lazy_tree(self, requests: list[str]) -> str | None:
         """The request whose leaves get their logits lazily in this forward, if any: on a CPU, the one request that

@@ -62,12 +62,12 @@ def padded_count(costs: list[float] | None, rows: int) -> int:
 class ExtraLogitRows:
     """The target as transformers' continuous batching runner calls it, with `rows` appended to the rows whose logits
     the forward keeps (`logits_to_keep`, transformers' one row per request): one pass of the output layer for both,
-    rather than a second product over the extra rows. The pass holds `pad_to(count)` rows (`padded_count`), the rest
-    copies of the runner's first row. The runner gets its own rows back; `extra` holds the logits at `rows`, in order,
+    rather than a second product over the extra rows. The pass holds at least `pad_to` rows (`padded_count`), the
+    rest copies of the runner's first row. The runner gets its own rows back; `extra` holds the logits at `rows`, in order,
     and `last` a copy of the runner's rows at places `last`, taken before the runner processes them (in place,
     maybe)."""
 
-    def __init__(self, model, rows: torch.Tensor, last: torch.Tensor, pad_to=None):
+    def __init__(self, model, rows: torch.Tensor, last: torch.Tensor, pad_to: int | None = None):
         self.model, self.rows, self.last_rows, self.pad_to = model, rows, last, pad_to
         self.extra = self.last = None
 
@@ -81,7 +81,7 @@ class ExtraLogitRows:
                                "keep logits at as `logits_to_keep` indices; this transformers version does not.")
         rows = self.rows.to(device=keep.device, dtype=keep.dtype)
         count = keep.numel() + rows.numel()
-        padding = keep[:1].expand((self.pad_to(count) if self.pad_to else count) - count)
+        padding = keep[:1].expand(max(0, (self.pad_to or 0) - count))
         output = self.model(**{**kwargs, "logits_to_keep": torch.cat([keep, rows, padding])})
         self.extra = output.logits[:, keep.numel() : count]
         self.last = output.logits[0, self.last_rows.to(keep.device)]

@@ -86,8 +86,9 @@ def choices_for(total_tokens: int, depth: int, top_k: int, lookup: bool, fixed_s
     options = [full]
     small_depth = max(1, (depth + 1) // 2)
     small_total = max(1, min(total_tokens // 3, small_depth + 1))
-    if pad_queries is not None and pad_queries(1 + small_total) - 1 < total_tokens:  # the root and its nodes
-        small_total = pad_queries(1 + small_total) - 1
+    padded = pad_queries(1 + small_total) - 1 if pad_queries is not None else small_total  # the root and its nodes
+    if padded < total_tokens:
+        small_total = padded
     small = RoundChoice("tree", small_total, min(small_depth, small_total), max(1, min(top_k, 4)), False)
     if not fixed_shape and small.total_tokens < full.total_tokens:
         options.append(small)
